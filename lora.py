@@ -1,0 +1,242 @@
+"""
+Hand-rolled LoRA (Hu et al. 2021, arXiv 2106.09685): y = W x + (alpha / r) * B A dropout(x),
+A Kaiming-uniform, B zero, so a fresh adapter leaves the model unchanged.
+
+A LoRALinear keeps the base layer's `weight` (and `bias`) under their own names, so the
+base state dict is untouched, and holds any number of named adapters beside it. One
+adapter (or none) is active at a time for the whole model: a teacher (base + its adapter)
+and a student (base + another) share one copy of the frozen base weights.
+
+Files are PEFT's format (adapter_config.json + adapter_model.safetensors with keys like
+base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), so
+peft.PeftModel.from_pretrained opens our adapters and load_adapter opens theirs.
+"""
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PEFT_PREFIX = "base_model.model."
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base):
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.lora_A = nn.ParameterDict()  # name -> (r, in)
+        self.lora_B = nn.ParameterDict()  # name -> (out, r)
+        self.dropout = nn.ModuleDict()
+        self.scaling = {}
+        self.active = None  # name of the adapter in use, or None for the plain base
+        self.merged = None  # name of the adapter folded into weight, if any
+
+    def add(self, name, rank, alpha, dropout):
+        if not name.isidentifier() or hasattr(nn.ParameterDict, name):
+            raise ValueError(f"adapter name {name!r} is not allowed; use a plain identifier such as 'teacher'")
+        A = torch.empty(rank, self.in_features, device=self.weight.device, dtype=torch.float32)
+        nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # same init as nn.Linear and PEFT
+        self.lora_A[name] = nn.Parameter(A)
+        self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, rank, device=self.weight.device))
+        self.dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.scaling[name] = alpha / rank
+
+    def delta_weight(self, name):
+        return (self.lora_B[name] @ self.lora_A[name]) * self.scaling[name]  # (out, in)
+
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)
+        name = self.active
+        if name is None or name == self.merged:
+            return y
+        # LoRA parameters stay fp32 (the optimizer state too); the base may be bf16
+        A, B = self.lora_A[name], self.lora_B[name]
+        h = self.dropout[name](x).to(A.dtype)
+        return y + (F.linear(F.linear(h, A), B) * self.scaling[name]).to(y.dtype)
+
+    @torch.no_grad()
+    def merge(self):
+        if self.active is None or self.merged is not None:
+            return
+        self.weight += self.delta_weight(self.active).to(self.weight.dtype)
+        self.merged = self.active
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged is None:
+            return
+        self.weight -= self.delta_weight(self.merged).to(self.weight.dtype)
+        self.merged = None
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features}, adapters={list(self.lora_A)}, active={self.active}"
+
+
+def lora_layers(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def wrap(model, targets=TARGETS):
+    """Replace the targeted nn.Linear layers of every block by LoRALinear (idempotent)."""
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if child_name in targets and isinstance(child, nn.Linear):
+                setattr(module, child_name, LoRALinear(child))
+    return lora_layers(model)
+
+
+def add_lora(model, rank=16, alpha=32, dropout=0.0, targets=TARGETS, name="default", activate=True):
+    """Add a fresh adapter named `name` to the targeted layers; afterwards only the
+    parameters of that adapter require grad."""
+    layers = {n: m for n, m in wrap(model, targets).items() if n.rsplit(".", 1)[-1] in targets}
+    if not layers:
+        raise ValueError(f"no linear layer named any of {targets} in the model")
+    for layer in layers.values():
+        if name in layer.lora_A:
+            raise ValueError(f"adapter {name!r} exists already; pick another name")
+        layer.add(name, rank, alpha, dropout)
+    model.requires_grad_(False)
+    for layer in layers.values():
+        layer.lora_A[name].requires_grad_(True)
+        layer.lora_B[name].requires_grad_(True)
+    model.lora_config = getattr(model, "lora_config", {})
+    model.lora_config[name] = dict(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=sorted(
+        {n.rsplit(".", 1)[-1] for n in layers}))
+    if activate:
+        set_adapter(model, name)
+    return model
+
+
+def set_adapter(model, name):
+    """Make `name` the adapter in use everywhere; None means the plain base model."""
+    for layer in lora_layers(model).values():
+        if layer.merged is not None and layer.merged != name:
+            raise RuntimeError("an adapter is merged into the weights; unmerge before switching adapters")
+        layer.active = name if name in layer.lora_A else None
+    return model
+
+
+class use_adapter:
+    """with use_adapter(model, "teacher"): ... switches and restores the active adapter."""
+
+    def __init__(self, model, name):
+        self.model, self.name = model, name
+
+    def __enter__(self):
+        layers = list(lora_layers(self.model).values())
+        self.previous = next((l.active for l in layers if l.active is not None), None)
+        set_adapter(self.model, self.name)
+        return self.model
+
+    def __exit__(self, *exc):
+        set_adapter(self.model, self.previous)
+
+
+def lora_parameters(model, name="default"):
+    return [p for layer in lora_layers(model).values() if name in layer.lora_A
+            for p in (layer.lora_A[name], layer.lora_B[name])]
+
+
+def merge(model):
+    for layer in lora_layers(model).values():
+        layer.merge()
+
+
+def unmerge(model):
+    for layer in lora_layers(model).values():
+        layer.unmerge()
+
+
+# -----------------------------------------------------------------------------
+# PEFT file format
+
+def adapter_state(model, name="default"):
+    """Tensors of one adapter under PEFT's key names."""
+    state = {}
+    for path, layer in lora_layers(model).items():
+        if name in layer.lora_A:
+            state[f"{PEFT_PREFIX}{path}.lora_A.weight"] = layer.lora_A[name].detach().float().contiguous()
+            state[f"{PEFT_PREFIX}{path}.lora_B.weight"] = layer.lora_B[name].detach().float().contiguous()
+    return state
+
+
+def write_atomic(path, write):
+    """write(tmp_path) then rename: a crash never leaves a half-written file."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_adapter(model, folder, name="default", base_model=None):
+    from safetensors.torch import save_file
+    if name not in getattr(model, "lora_config", {}):
+        raise ValueError(f"model has no adapter named {name!r}")
+    os.makedirs(folder, exist_ok=True)
+    cfg = model.lora_config[name]
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model or getattr(model, "name_or_path", None),
+        "r": cfg["r"], "lora_alpha": cfg["lora_alpha"], "lora_dropout": cfg["lora_dropout"],
+        "target_modules": cfg["target_modules"], "bias": "none", "fan_in_fan_out": False,
+        "inference_mode": True, "init_lora_weights": True, "use_rslora": False, "use_dora": False,
+        "modules_to_save": None, "layers_to_transform": None,
+    }
+    state = adapter_state(model, name)
+    write_atomic(os.path.join(folder, "adapter_model.safetensors"), lambda p: save_file(state, p))
+    write_atomic(os.path.join(folder, "adapter_config.json"),
+                 lambda p: open(p, "w").write(json.dumps(config, indent=2) + "\n"))
+
+
+def load_adapter(model, folder, name="default", activate=True, trainable=False):
+    """Open a PEFT-format adapter folder (ours or peft's) as adapter `name`."""
+    from safetensors.torch import load_file
+    config_path = os.path.join(folder, "adapter_config.json")
+    weights_path = os.path.join(folder, "adapter_model.safetensors")
+    if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
+        raise FileNotFoundError(f"{folder}: no adapter_config.json + adapter_model.safetensors; is this a run folder?")
+    with open(config_path) as f:
+        cfg = json.load(f)
+    if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
+        raise ValueError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
+    targets = cfg["target_modules"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    state = load_file(weights_path)
+    # peft writes keys without the adapter name; other tools sometimes keep ".default"
+    state = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v for k, v in state.items()}
+    was_trainable = {p: p.requires_grad for p in model.parameters()}
+    add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), tuple(targets), name, activate=False)
+    layers = lora_layers(model)
+    found = 0
+    for key, tensor in state.items():
+        if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise ValueError(f"{weights_path}: unexpected tensor {key}; not a PEFT LoRA adapter")
+        path, kind = key[len(PEFT_PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        if path not in layers or name not in layers[path].lora_A:
+            raise ValueError(f"{weights_path}: tensor {key} names a layer the base model does not have; "
+                             f"was the adapter trained on another base model?")
+        param = getattr(layers[path], kind)[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"{weights_path}: {key} has shape {tuple(tensor.shape)} but the base model needs "
+                             f"{tuple(param.shape)}; the adapter was trained on another base model")
+        with torch.no_grad():
+            param.copy_(tensor)
+        found += 1
+    if found != 2 * sum(name in l.lora_A for l in layers.values()):
+        raise ValueError(f"{weights_path}: some LoRA tensors are missing for targets {targets}")
+    for p, flag in was_trainable.items():
+        p.requires_grad_(flag)
+    for p in lora_parameters(model, name):
+        p.requires_grad_(trainable)
+    model.lora_config[name]["base_model_name_or_path"] = cfg.get("base_model_name_or_path")
+    if activate:
+        set_adapter(model, name)
+    return model

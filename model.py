@@ -1,0 +1,405 @@
+"""
+Qwen3 (dense) in one file: config, RMSNorm, rotary embedding, grouped-query attention
+with per-head q/k RMSNorm, SwiGLU MLP, tied or untied lm_head, a KV cache object, and
+load() from a local folder or a Hugging Face hub id, plus a small tokenizer wrapper.
+
+Module names are Hugging Face's (model.layers.N.self_attn.q_proj, ...), so an official
+model.safetensors loads with load_state_dict and no name map, and LoRA keys match PEFT's.
+Numerics follow transformers' Qwen3ForCausalLM (tests/test_model.py checks parity).
+"""
+import json
+import os
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B-Base"
+
+
+# -----------------------------------------------------------------------------
+# config
+
+@dataclass
+class Qwen3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    attention_bias: bool = False
+    eos_token_id: int = None  # from generation_config.json when present, else config.json
+    pad_token_id: int = None
+
+    @classmethod
+    def from_dict(cls, d, source="config.json"):
+        d = dict(d)
+        # transformers >= 5 writes rope_parameters instead of a top-level rope_theta
+        rope = d.get("rope_parameters") or {}
+        if "rope_theta" not in d and "rope_theta" in rope:
+            d["rope_theta"] = rope["rope_theta"]
+        rope_type = rope.get("rope_type", "default") if rope else (d.get("rope_scaling") or {}).get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope type {rope_type!r} is not supported; only plain rotary embeddings (Qwen3 dense) are")
+        if d.get("use_sliding_window"):
+            raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
+        if d.get("model_type", "qwen3") != "qwen3":
+            raise ValueError(f"{source}: model_type is {d['model_type']!r}; this file implements 'qwen3' only")
+        required = [f.name for f in fields(cls) if f.name not in ("attention_bias", "eos_token_id", "pad_token_id")]
+        missing = [n for n in required if n not in d]
+        if missing:
+            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}; is this a Qwen3 config.json?")
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):  # several stop ids: the first is the end-of-text token
+            eos = eos[0]
+        return cls(**{n: d[n] for n in required}, attention_bias=bool(d.get("attention_bias", False)),
+                   eos_token_id=eos, pad_token_id=d.get("pad_token_id"))
+
+
+# -----------------------------------------------------------------------------
+# layers
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # normalise in fp32 whatever the activation dtype, like the reference implementation
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary_cos_sin(positions, head_dim, theta, dtype):
+    # positions: (B, T) -> cos, sin: (B, 1, T, head_dim); angles in fp32 for accuracy at long range
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
+    angles = positions.float()[..., None] * inv_freq  # (B, T, hd/2)
+    emb = torch.cat((angles, angles), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+class KVCache:
+    """Preallocated keys/values for every layer, (B, n_kv_heads, max_len, head_dim) each.
+    Passed to forward explicitly; `length` counts the positions already written."""
+
+    def __init__(self, config, batch_size, max_len, device, dtype):
+        shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer, k, v):
+        T = k.shape[2]
+        if self.length + T > self.max_len:
+            raise ValueError(f"KV cache full: {self.length}+{T} positions > max_len {self.max_len}")
+        self.k[layer][:, :, self.length:self.length + T] = k
+        self.v[layer][:, :, self.length:self.length + T] = v
+        end = self.length + T
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def repeat_rows(self, n):
+        """Each row becomes n consecutive rows: one prompt prefilled once serves n samples."""
+        self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
+        self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
+
+    def keep_rows(self, index):
+        """Drop finished rows so that decoding no longer pays for them."""
+        self.k = [k.index_select(0, index) for k in self.k]
+        self.v = [v.index_select(0, index) for v in self.v]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.hd, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
+        self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before rotary: Qwen3's addition over Qwen2
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache):
+        B, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        # mask None means plain causal attention over exactly these T positions
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           enable_gqa=self.n_kv != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, layer_idx):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, cache):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Body(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Qwen3(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg
+        self.model = Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, attention_mask=None, cache=None, hidden_only=False):
+        """input_ids (B, T). attention_mask (B, past+T) of 1 for real tokens and 0 for left
+        padding, covering the cached positions too. Returns logits (B, T, vocab), or the
+        final hidden states (B, T, hidden) with hidden_only=True so the caller can take
+        logits only where it needs them."""
+        B, T = input_ids.shape
+        past = cache.length if cache is not None else 0
+        device = input_ids.device
+        if attention_mask is None:
+            positions = torch.arange(past, past + T, device=device).expand(B, T)
+            mask = None
+            if past > 0 and T > 1:
+                mask = torch.arange(past + T, device=device)[None, :] <= torch.arange(past, past + T, device=device)[:, None]
+        else:
+            if attention_mask.shape != (B, past + T):
+                raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(B, past + T)} (cached + new positions)")
+            keep = attention_mask.bool()
+            # positions count real tokens only, so a left-padded row sees the same positions as alone
+            positions = (keep.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+            q_idx = torch.arange(past, past + T, device=device)[:, None]
+            k_idx = torch.arange(past + T, device=device)[None, :]
+            mask = (k_idx <= q_idx)[None] & keep[:, None, :]  # (B, T, S)
+            # a padding query would see no key at all and SDPA would return NaN; let it see itself
+            mask = (mask | (k_idx == q_idx)[None])[:, None]  # (B, 1, T, S)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, mask, cache)
+        if cache is not None:
+            cache.length += T
+        x = self.model.norm(x)
+        return x if hidden_only else self.lm_head(x)
+
+    def new_cache(self, batch_size, max_len):
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
+
+    def token_logprobs(self, hidden, targets, chunk_size=1024):
+        """log p(target | state) in fp32 for hidden states (N, hidden) and targets (N,).
+        Logits are built chunk by chunk and recomputed in the backward pass, so the full
+        (N, vocab) matrix never lives in memory at once (151,936 columns for Qwen3)."""
+        out = []
+        for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
+            if torch.is_grad_enabled() and h.requires_grad:
+                out.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, h, t, use_reentrant=False))
+            else:
+                out.append(self._chunk_logprobs(h, t))
+        return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
+
+    def _chunk_logprobs(self, h, t):
+        logits = self.lm_head(h).float()
+        return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def init_weights(model, std=0.02, seed=0):
+    """Random weights (normal(0, std), norms at one) for tests and benchmarks."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+# -----------------------------------------------------------------------------
+# tokenizer
+
+class Tokenizer:
+    """tokenizers.Tokenizer plus the ids the project needs. pad_id exists only to fill
+    tensors: padding is always tracked by attention masks and lengths, never by comparing
+    token values, so a real end-of-text token is never mistaken for padding."""
+
+    def __init__(self, path, eos_id, pad_id=None):
+        from tokenizers import Tokenizer as HFTokenizer
+        self.tok = HFTokenizer.from_file(path)
+        self.eos_id = eos_id
+        self.pad_id = eos_id if pad_id is None else pad_id
+        self.eos_text = self.tok.id_to_token(eos_id)
+
+    def encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts):
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self):
+        return self.tok.get_vocab_size()
+
+
+# -----------------------------------------------------------------------------
+# loading
+
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+             "tokenizer.json", "tokenizer_config.json"]
+
+
+def resolve_device(device=None, dtype=None):
+    """One place that picks device and dtype, and says why."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+                 "fp16": torch.float16, "float16": torch.float16}
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
+        dtype = names[dtype]
+    return device, dtype
+
+
+def model_folder(name_or_path):
+    """A local folder as it is, or a hub id downloaded (config, weights, tokenizer only)."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+        try:
+            return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
+        except Exception as e:
+            raise RuntimeError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                               f"download it elsewhere and pass the local folder with --model") from None
+    raise FileNotFoundError(f"model {name_or_path!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B-Base'")
+
+
+def read_config(folder):
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder}: no config.json; point --model at a Hugging Face model folder")
+    with open(path) as f:
+        d = json.load(f)
+    gen_path = os.path.join(folder, "generation_config.json")
+    if os.path.isfile(gen_path):
+        with open(gen_path) as f:
+            gen = json.load(f)
+        if gen.get("eos_token_id") is not None:
+            d["eos_token_id"] = gen["eos_token_id"]
+    return Qwen3Config.from_dict(d, source=path)
+
+
+def read_safetensors(folder, device):
+    from safetensors.torch import load_file
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; the weights are missing")
+    state = {}
+    for name in files:
+        state.update(load_file(os.path.join(folder, name), device=str(device)))
+    return state
+
+
+def load_weights(model, state, source):
+    expected = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state.pop("lm_head.weight", None)  # some exporters write the tied copy too
+    for name, t in expected.items():
+        if name not in state:
+            raise ValueError(f"{source}: tensor {name} is missing; the checkpoint does not match its config.json")
+        if tuple(state[name].shape) != tuple(t.shape):
+            raise ValueError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(t.shape)}")
+    unexpected = sorted(set(state) - set(expected))
+    if unexpected:
+        raise ValueError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all); is this a Qwen3 checkpoint?")
+    if model.config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    if model.config.tie_word_embeddings:  # assign=True replaced the parameter objects: tie them again
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_tokenizer(folder, config):
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{folder}: no tokenizer.json; the model folder needs the tokenizer file too")
+    if config.eos_token_id is None:
+        raise ValueError(f"{folder}: no eos_token_id in generation_config.json or config.json; add it")
+    return Tokenizer(path, config.eos_token_id, config.pad_token_id)
+
+
+def load(name_or_path=DEFAULT_MODEL, device=None, dtype=None):
+    """(model, tokenizer) from a local folder or a hub id. Default dtype: bf16 on CUDA, fp32 on CPU."""
+    device, dtype = resolve_device(device, dtype)
+    folder = model_folder(name_or_path)
+    config = read_config(folder)
+    with torch.device("meta"):
+        model = Qwen3(config)
+    state = {k: v.to(dtype) for k, v in read_safetensors(folder, device).items()}
+    load_weights(model, state, folder)
+    model.eval().requires_grad_(False)
+    model.name_or_path = name_or_path
+    return model, load_tokenizer(folder, config)
+
+
+def num_parameters(model):
+    return sum(p.numel() for p in model.parameters())  # parameters() lists a tied weight once

@@ -1,0 +1,94 @@
+"""Shared fixtures: tiny random Qwen3 checkpoints and a tiny byte-level BPE tokenizer,
+built once per test session in a temporary folder. Nothing is downloaded."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+DATA_DIR = os.environ.get("STATES_DATA") or os.path.join(ROOT, "..", "shared", "data")
+SHARED_CONFIG = os.path.join(ROOT, "..", "shared", "qwen3-0.6b-base")
+EOS = "<|endoftext|>"
+
+# name -> transformers Qwen3Config arguments; grouped-query ratios 2 and 4, tied and untied
+TINY_CONFIGS = {
+    "tied": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, tie_word_embeddings=True),
+    "untied": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=3, num_attention_heads=8,
+                   num_key_value_heads=2, head_dim=16, tie_word_embeddings=False),
+}
+
+
+def gsm8k_texts(limit=1500):
+    with open(os.path.join(DATA_DIR, "gsm8k", "train.jsonl")) as f:
+        rows = [json.loads(line) for _, line in zip(range(limit), f)]
+    return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
+
+
+def train_tokenizer(path, vocab_size=384):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(gsm8k_texts(), trainer)
+    tok.save(path)
+    return tok
+
+
+def save_hf_model(folder, tokenizer_path, seed=0, max_shard_size="2GB", **overrides):
+    """A random Qwen3 written by transformers' save_pretrained (the reference writer)."""
+    import shutil
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    args = dict(TINY_CONFIGS["tied"])
+    args.update(overrides)
+    config = Qwen3Config(vocab_size=400, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=2048,
+                         eos_token_id=0, bos_token_id=0, initializer_range=0.1, **args)
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(config).eval()
+    model.save_pretrained(folder, max_shard_size=max_shard_size)
+    shutil.copy(tokenizer_path, os.path.join(folder, "tokenizer.json"))
+    with open(os.path.join(folder, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": 0, "bos_token_id": 0}, f)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def data_dir():
+    if not os.path.isdir(DATA_DIR):
+        pytest.fail(f"dataset copies not found at {DATA_DIR}; set STATES_DATA to the shared data folder")
+    return DATA_DIR
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("states")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_path(workdir, data_dir):
+    path = str(workdir / "tokenizer.json")
+    train_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(workdir, tokenizer_path):
+    """name -> folder of a transformers-saved random checkpoint."""
+    return {name: save_hf_model(str(workdir / name), tokenizer_path, seed=i, **cfg)
+            for i, (name, cfg) in enumerate(TINY_CONFIGS.items())}
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_models):
+    return tiny_models["tied"]
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)

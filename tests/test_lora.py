@@ -1,0 +1,112 @@
+import pytest
+import torch
+
+import lora
+import model as M
+
+
+def randomize_adapter(model, name, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model, name):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+
+
+def peft_model(folder, adapter=None, r=4, alpha=8):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import Qwen3ForCausalLM
+    base = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if adapter:
+        return PeftModel.from_pretrained(base, adapter).eval()
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(lora.TARGETS), init_lora_weights=False)
+    return get_peft_model(base, cfg).eval()
+
+
+def sample_ids(tok):
+    return torch.tensor([tok.encode("Question: Tom has 12 marbles and gives 5 away.\nAnswer: 7")])
+
+
+def test_fresh_adapter_is_identity_and_only_lora_trains(tiny_model):
+    ours, tok = M.load(tiny_model)
+    ids = sample_ids(tok)
+    with torch.no_grad():
+        before = ours(ids)
+    lora.add_lora(ours, rank=4, alpha=8)
+    with torch.no_grad():
+        assert torch.equal(ours(ids), before)  # B = 0
+    trainable = {n for n, p in ours.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert len(trainable) == 2 * 7 * ours.config.num_hidden_layers
+
+
+def test_peft_adapter_opens_in_ours_with_equal_logits(tiny_model, tmp_path):
+    ref = peft_model(tiny_model)  # init_lora_weights=False: B is random, so the adapter matters
+    ref.save_pretrained(str(tmp_path / "peft"))
+    ours, tok = M.load(tiny_model)
+    lora.load_adapter(ours, str(tmp_path / "peft"))
+    ids = sample_ids(tok)
+    with torch.no_grad():
+        got, expected = ours(ids), ref(input_ids=ids).logits
+        lora.set_adapter(ours, None)
+        assert (ours(ids) - expected).abs().max() > 1e-3  # the adapter really changes the output
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_our_adapter_opens_in_peft_with_equal_logits(tiny_model, tmp_path):
+    ours, tok = M.load(tiny_model)
+    lora.add_lora(ours, rank=4, alpha=8)
+    randomize_adapter(ours, "default", seed=1)
+    lora.save_adapter(ours, str(tmp_path / "ours"))
+    ref = peft_model(tiny_model, adapter=str(tmp_path / "ours"))
+    ids = sample_ids(tok)
+    with torch.no_grad():
+        assert (ours(ids) - ref(input_ids=ids).logits).abs().max() < 1e-5
+    # and back into ours under another name
+    again, _ = M.load(tiny_model)
+    lora.load_adapter(again, str(tmp_path / "ours"), name="reloaded")
+    with torch.no_grad():
+        assert (again(ids) - ours(ids)).abs().max() < 1e-6
+
+
+def test_merge_unmerge_and_switching(tiny_model):
+    ours, tok = M.load(tiny_model)
+    ids = sample_ids(tok)
+    weights = {n: p.detach().clone() for n, p in ours.named_parameters()}
+    with torch.no_grad():
+        base_logits = ours(ids)
+        lora.add_lora(ours, rank=4, alpha=8, name="one")
+        randomize_adapter(ours, "one", seed=1)
+        one = ours(ids)
+        lora.add_lora(ours, rank=8, alpha=8, name="two")
+        randomize_adapter(ours, "two", seed=2)
+        two = ours(ids)
+        assert (one - two).abs().max() > 1e-3 and (one - base_logits).abs().max() > 1e-3
+        for name, expected in [(None, base_logits), ("one", one), ("two", two), ("one", one), (None, base_logits)]:
+            lora.set_adapter(ours, name)
+            assert (ours(ids) - expected).abs().max() < 1e-6, name
+        with lora.use_adapter(ours, "two"):
+            assert (ours(ids) - two).abs().max() < 1e-6
+        assert (ours(ids) - base_logits).abs().max() < 1e-6  # restored
+        lora.set_adapter(ours, "one")
+        lora.merge(ours)
+        assert (ours(ids) - one).abs().max() < 1e-4
+        with pytest.raises(RuntimeError, match="unmerge"):
+            lora.set_adapter(ours, "two")
+        lora.unmerge(ours)
+    for n, p in ours.named_parameters():
+        if n in weights:
+            assert torch.allclose(p, weights[n], atol=1e-6), n
+
+
+def test_adapter_for_other_base_is_a_one_line_error(tiny_models, tmp_path):
+    other, _ = M.load(tiny_models["untied"])
+    lora.add_lora(other, rank=4, alpha=8)
+    lora.save_adapter(other, str(tmp_path / "other"))
+    ours, _ = M.load(tiny_models["tied"])
+    with pytest.raises(ValueError, match="another base model") as e:
+        lora.load_adapter(ours, str(tmp_path / "other"))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="not allowed"):
+        lora.add_lora(ours, rank=2, alpha=2, name="keys")
+    with pytest.raises(FileNotFoundError, match="run folder"):
+        lora.load_adapter(ours, str(tmp_path / "nothing"))

@@ -1,0 +1,151 @@
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import model as M
+from conftest import SHARED_CONFIG, TINY_CONFIGS, save_hf_model
+
+
+def hf_model(folder):
+    from transformers import Qwen3ForCausalLM
+    return Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def two_sequences(tok):
+    a = tok.encode("Question: Janet has 3 apples and buys 5 more. How many?\nAnswer:")
+    b = tok.encode("Question: 2 + 2?\nAnswer:")
+    return a, b
+
+
+def left_pad(seqs, pad):
+    T = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad] * (T - len(s)) + s for s in seqs])
+    mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs])
+    return ids, mask
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_logits_match_transformers(tiny_models, name):
+    ours, tok = M.load(tiny_models[name])
+    ref = hf_model(tiny_models[name])
+    a, b = two_sequences(tok)
+    ids, mask = left_pad([a, b], tok.pad_id)
+    with torch.no_grad():
+        expected = ref(input_ids=ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask)
+        # the real positions of each row are what matter; padding positions carry no meaning
+        assert (got - expected)[mask.bool()].abs().max() < 1e-4
+        full = ours(torch.tensor([a]))
+        assert (full - ref(input_ids=torch.tensor([a])).logits).abs().max() < 1e-4
+
+
+def test_sharded_checkpoint_loads(workdir, tokenizer_path, tiny_model):
+    folder = save_hf_model(str(workdir / "sharded"), tokenizer_path, max_shard_size="20KB")
+    assert os.path.isfile(os.path.join(folder, "model.safetensors.index.json"))
+    ours, tok = M.load(folder)
+    ids = torch.tensor([tok.encode("Answer: 42")])
+    with torch.no_grad():
+        assert (ours(ids) - hf_model(folder)(input_ids=ids).logits).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_kv_cache_and_left_padding(tiny_models, name):
+    ours, tok = M.load(tiny_models[name])
+    a, b = two_sequences(tok)
+    with torch.no_grad():
+        full = ours(torch.tensor([a]))
+        cache = ours.new_cache(1, len(a))
+        steps = [ours(torch.tensor([a[:5]]), cache=cache)]
+        steps += [ours(torch.tensor([[t]]), cache=cache) for t in a[5:]]
+        assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
+        ids, mask = left_pad([a, b], tok.pad_id)
+        batch = ours(ids, attention_mask=mask)
+        alone_b = ours(torch.tensor([b]))
+        assert (batch[1, -len(b):] - alone_b[0]).abs().max() < 1e-4
+        assert (batch[0] - full[0]).abs().max() < 1e-4
+        # padded prefill then token-by-token decode with the mask
+        cache = ours.new_cache(2, ids.shape[1] + 3)
+        ours(ids, attention_mask=mask, cache=cache)
+        nxt = torch.tensor([[7], [9]])
+        mask2 = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+        step = ours(nxt, attention_mask=mask2, cache=cache)
+        ref_b = ours(torch.tensor([b + [9]]))[0, -1]
+        assert (step[1, -1] - ref_b).abs().max() < 1e-4
+
+
+def test_token_logprobs_equal_log_softmax(tiny_model):
+    ours, tok = M.load(tiny_model)
+    ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
+    hidden = ours(ids[:, :-1], hidden_only=True)[0]
+    targets = ids[0, 1:]
+    expected = ours(ids[:, :-1])[0].log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    got = ours.token_logprobs(hidden, targets, chunk_size=3)
+    assert torch.allclose(got, expected, atol=1e-5)
+    # the checkpointed chunks give the same gradient as the plain computation
+    h1 = hidden.detach().requires_grad_(True)
+    ours.token_logprobs(h1, targets, chunk_size=4).sum().backward()
+    h2 = hidden.detach().requires_grad_(True)
+    ours.lm_head(h2).log_softmax(-1).gather(-1, targets[:, None]).sum().backward()
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
+
+
+def test_official_config_loads_with_its_values():
+    config = M.read_config(SHARED_CONFIG)
+    with open(os.path.join(SHARED_CONFIG, "config.json")) as f:
+        raw = json.load(f)
+    for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta", "tie_word_embeddings",
+                  "max_position_embeddings", "attention_bias"):
+        assert getattr(config, field) == raw[field], field
+    assert config.rope_theta == 1e6 and config.tie_word_embeddings and config.head_dim == 128
+    assert config.eos_token_id == 151643
+    with torch.device("meta"):
+        model = M.Qwen3(config)
+    assert round(M.num_parameters(model) / 1e6) == 596
+
+
+def test_transformers5_config_style(workdir):
+    with open(os.path.join(SHARED_CONFIG, "config.json")) as f:
+        raw = json.load(f)
+    theta = raw.pop("rope_theta")
+    raw["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
+    assert M.Qwen3Config.from_dict(raw).rope_theta == theta
+    del raw["rope_parameters"]
+    with pytest.raises(ValueError, match="missing field.*rope_theta"):
+        M.Qwen3Config.from_dict(raw)
+
+
+def copy_model(src, dst):
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
+    from safetensors.torch import load_file, save_file
+    no_config = copy_model(tiny_model, tmp_path / "no_config")
+    os.remove(os.path.join(no_config, "config.json"))
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        M.load(no_config)
+
+    missing = copy_model(tiny_model, tmp_path / "missing")
+    path = os.path.join(missing, "model.safetensors")
+    state = load_file(path)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight is missing"):
+        M.load(missing)
+
+    shape = copy_model(tiny_model, tmp_path / "shape")
+    path = os.path.join(shape, "model.safetensors")
+    state = load_file(path)
+    state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 3)
+    save_file(state, path)
+    with pytest.raises(ValueError, match=r"k_proj.weight has shape \(3, 3\)") as e:
+        M.load(shape)
+    assert "\n" not in str(e.value)
+
+    with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub id"):
+        M.load(str(tmp_path / "does" / "not" / "exist"))

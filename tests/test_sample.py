@@ -1,0 +1,94 @@
+import pytest
+import torch
+
+import model as M
+from sample import filter_logits, generate
+
+PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
+           "Question: Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes.\nAnswer:"]
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model):
+    return M.load(tiny_model)
+
+
+def test_greedy_equals_transformers_generate(tiny_model, loaded):
+    from transformers import Qwen3ForCausalLM
+    ours, tok = loaded
+    ref = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    rollouts = generate(ours, tok, PROMPTS, max_new_tokens=12, temperature=0)
+    enc = [tok.encode(p) for p in PROMPTS]
+    T = max(map(len, enc))
+    ids = torch.tensor([[tok.pad_id] * (T - len(e)) + e for e in enc])
+    mask = torch.tensor([[0] * (T - len(e)) + [1] * len(e) for e in enc])
+    with torch.no_grad():
+        out = ref.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                           pad_token_id=tok.pad_id, eos_token_id=tok.eos_id)[:, T:]
+    for r, row in zip(rollouts, out.tolist()):
+        assert r.completion_ids == row[:len(r.completion_ids)]
+        assert r.finish_reason == "eos" or len(r.completion_ids) == 12
+
+
+def test_logprobs_equal_full_forward(loaded):
+    ours, tok = loaded
+    for r in generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, temperature=1.0, seed=3):
+        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        with torch.no_grad():
+            logp = ours(ids[:, :-1])[0].log_softmax(-1)
+        expected = logp[len(r.prompt_ids) - 1:].gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
+        assert torch.allclose(torch.tensor(r.logprobs), expected, atol=1e-4)
+
+
+def test_seed_reproduces_and_shared_prefill_equals_separate_calls(loaded):
+    ours, tok = loaded
+    a = generate(ours, tok, PROMPTS, n=4, max_new_tokens=16, seed=11)
+    b = generate(ours, tok, PROMPTS, n=4, max_new_tokens=16, seed=11)
+    assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
+    c = generate(ours, tok, PROMPTS, n=4, max_new_tokens=16, seed=12)
+    assert [r.completion_ids for r in a] != [r.completion_ids for r in c]
+    # sample j of prompt i draws from seed + i*n + j, so one call with n=4 equals four calls with n=1
+    for i, prompt in enumerate(PROMPTS):
+        for j in range(4):
+            alone = generate(ours, tok, [prompt], n=1, max_new_tokens=16, seed=11 + i * 4 + j)[0]
+            shared = a[i * 4 + j]
+            assert (shared.prompt_index, shared.sample_index) == (i, j)
+            assert alone.completion_ids == shared.completion_ids
+
+
+def test_stop_strings_cut_text_and_finished_rows_stay(loaded):
+    ours, tok = loaded
+    free = generate(ours, tok, PROMPTS, max_new_tokens=30, seed=5)
+    # pick a piece of text the model really produces, and stop on it
+    target = next(r for r in free if len(r.text) > 6)
+    stop_string = target.text[3:6]
+    stopped = generate(ours, tok, PROMPTS, max_new_tokens=30, seed=5, stop=(stop_string,))
+    for f, s in zip(free, stopped):
+        assert f.completion_ids[:len(s.completion_ids)] == s.completion_ids  # same samples up to the stop
+        if s.finish_reason == "stop":
+            assert stop_string not in s.text and stop_string in tok.decode(s.completion_ids)
+            assert f.text.startswith(s.text)
+    assert stopped[free.index(target)].finish_reason == "stop"
+
+
+def test_eos_ends_a_row_and_is_kept(loaded):
+    ours, tok = loaded
+    # make end-of-text the most likely token everywhere by biasing the output layer
+    with torch.no_grad():
+        saved = ours.lm_head.weight[tok.eos_id].clone()
+        ours.lm_head.weight[tok.eos_id] = ours.model.norm.weight * 50
+        try:
+            r = generate(ours, tok, PROMPTS[:1], max_new_tokens=8, temperature=0)[0]
+        finally:
+            ours.lm_head.weight[tok.eos_id] = saved
+    assert r.finish_reason == "eos" and r.completion_ids.index(tok.eos_id) == len(r.completion_ids) - 1 < 7
+
+
+def test_filter_logits():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    assert torch.isinf(filter_logits(logits, top_k=2)[0, 2:]).all()
+    assert not torch.isinf(filter_logits(logits, top_k=2)[0, :2]).any()
+    p = logits.softmax(-1)[0]
+    kept = ~torch.isinf(filter_logits(logits, top_p=float(p[0]) + 0.01)[0])
+    assert kept.tolist() == [True, True, False, False]
+    assert (~torch.isinf(filter_logits(logits, top_p=0.01)[0])).sum() == 1
