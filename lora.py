@@ -196,6 +196,28 @@ def save_adapter(model, folder, name="default", base_model=None):
                  lambda p: open(p, "w").write(json.dumps(config, indent=2) + "\n"))
 
 
+def assign_adapter_tensors(model, state, name, source):
+    """Copy PEFT-keyed tensors into adapter `name`, checking every key and shape."""
+    layers = lora_layers(model)
+    found = 0
+    for key, tensor in state.items():
+        if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+            raise ValueError(f"{source}: unexpected tensor {key}; not a PEFT LoRA adapter")
+        path, kind = key[len(PEFT_PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
+        if path not in layers or name not in layers[path].lora_A:
+            raise ValueError(f"{source}: tensor {key} names a layer the base model does not have; "
+                             f"was the adapter trained on another base model?")
+        param = getattr(layers[path], kind)[name]
+        if tuple(tensor.shape) != tuple(param.shape):
+            raise ValueError(f"{source}: {key} has shape {tuple(tensor.shape)} but the base model needs "
+                             f"{tuple(param.shape)}; the adapter was trained on another base model")
+        with torch.no_grad():
+            param.copy_(tensor)
+        found += 1
+    if found != 2 * sum(name in l.lora_A for l in layers.values()):
+        raise ValueError(f"{source}: some LoRA tensors are missing for adapter {name!r}")
+
+
 def load_adapter(model, folder, name="default", activate=True, trainable=False):
     """Open a PEFT-format adapter folder (ours or peft's) as adapter `name`."""
     from safetensors.torch import load_file
@@ -214,24 +236,7 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
     state = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v for k, v in state.items()}
     was_trainable = {p: p.requires_grad for p in model.parameters()}
     add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), tuple(targets), name, activate=False)
-    layers = lora_layers(model)
-    found = 0
-    for key, tensor in state.items():
-        if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise ValueError(f"{weights_path}: unexpected tensor {key}; not a PEFT LoRA adapter")
-        path, kind = key[len(PEFT_PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
-        if path not in layers or name not in layers[path].lora_A:
-            raise ValueError(f"{weights_path}: tensor {key} names a layer the base model does not have; "
-                             f"was the adapter trained on another base model?")
-        param = getattr(layers[path], kind)[name]
-        if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"{weights_path}: {key} has shape {tuple(tensor.shape)} but the base model needs "
-                             f"{tuple(param.shape)}; the adapter was trained on another base model")
-        with torch.no_grad():
-            param.copy_(tensor)
-        found += 1
-    if found != 2 * sum(name in l.lora_A for l in layers.values()):
-        raise ValueError(f"{weights_path}: some LoRA tensors are missing for targets {targets}")
+    assign_adapter_tensors(model, state, name, weights_path)
     for p, flag in was_trainable.items():
         p.requires_grad_(flag)
     for p in lora_parameters(model, name):
@@ -240,3 +245,104 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
     if activate:
         set_adapter(model, name)
     return model
+
+
+# -----------------------------------------------------------------------------
+# training an adapter: run folders, checkpoints, schedule
+
+def write_json(path, obj):
+    write_atomic(path, lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"))
+
+
+def git_commit():
+    import subprocess
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def lr_at(step, total_steps, peak_lr, warmup_frac):
+    """Linear warmup over the first warmup_frac of the steps, then cosine decay to zero."""
+    warmup = max(1, round(warmup_frac * total_steps)) if warmup_frac > 0 else 0
+    if step < warmup:
+        return peak_lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    return peak_lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
+    """The flags every training script shares; each script passes its own defaults."""
+    from model import DEFAULT_MODEL
+    p.add_argument("--model", default=DEFAULT_MODEL, help="base model: hub id or local folder")
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
+    p.add_argument("--lr", type=float, default=lr, help="peak learning rate of the LoRA parameters")
+    p.add_argument("--rank", type=int, default=rank, help="LoRA rank")
+    p.add_argument("--alpha", type=float, default=alpha, help="LoRA alpha (scale = alpha / rank)")
+    p.add_argument("--lora-dropout", type=float, default=dropout, help="dropout on the LoRA path")
+    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    p.add_argument("--warmup", type=float, default=warmup, help="fraction of steps with linear warmup, then cosine decay")
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
+    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0 = the full run)")
+    p.add_argument("--save-every", type=int, default=50, help="write a checkpoint every N steps")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+
+
+class RunFolder:
+    """out/<run>/: run.json, log.jsonl, the latest adapter (PEFT format) and checkpoint/
+    (adapter + optimizer state + step). Every file is written atomically and checkpoint/
+    is replaced as a whole, so an interrupted run always has one complete checkpoint."""
+
+    def __init__(self, folder, args, resume):
+        self.folder = folder
+        self.ckpt = os.path.join(folder, "checkpoint")
+        self.log_path = os.path.join(folder, "log.jsonl")
+        if not resume and os.path.isfile(os.path.join(folder, "run.json")):
+            raise SystemExit(f"{folder} already holds a run; pass --resume to continue it or --out for a new folder")
+        if resume and not os.path.isdir(self.ckpt) and not os.path.isdir(self.ckpt + ".old"):
+            raise SystemExit(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
+        os.makedirs(folder, exist_ok=True)
+        write_json(os.path.join(folder, "run.json"), {**vars(args), "git_commit": git_commit()})
+
+    def resume(self, model, optimizer, name="default"):
+        """Load the last checkpoint into model and optimizer; returns the step to start at."""
+        folder = self.ckpt if os.path.isdir(self.ckpt) else self.ckpt + ".old"
+        state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
+        from safetensors.torch import load_file
+        weights = os.path.join(folder, "adapter_model.safetensors")
+        assign_adapter_tensors(model, load_file(weights), name, weights)
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        if os.path.isfile(self.log_path):  # forget log lines of steps after the checkpoint
+            with open(self.log_path) as f:
+                lines = [l for l in f if json.loads(l)["step"] <= step]
+            write_atomic(self.log_path, lambda p: open(p, "w").write("".join(lines)))
+        print(f"resuming {self.folder} at step {step}")
+        return step
+
+    def save(self, model, optimizer, step, name="default"):
+        import shutil
+        tmp, old = self.ckpt + ".tmp", self.ckpt + ".old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter(model, tmp, name)
+        torch.save({"optimizer": optimizer.state_dict(), "step": step}, os.path.join(tmp, "trainer.pt"))
+        if os.path.isdir(self.ckpt):
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(self.ckpt, old)
+        os.replace(tmp, self.ckpt)
+        shutil.rmtree(old, ignore_errors=True)
+        save_adapter(model, self.folder, name)
+
+    def log(self, record):
+        with open(self.log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def check_finite(self, step, loss):
+        if not math.isfinite(loss):
+            raise SystemExit(f"step {step}: loss is {loss}; stopped. The last good checkpoint in {self.ckpt} is intact: "
+                             f"lower --lr and continue with --resume")

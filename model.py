@@ -113,13 +113,9 @@ class KVCache:
         end = self.length + T
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
-    def repeat_rows(self, n):
-        """Each row becomes n consecutive rows: one prompt prefilled once serves n samples."""
-        self.k = [k.repeat_interleave(n, dim=0) for k in self.k]
-        self.v = [v.repeat_interleave(n, dim=0) for v in self.v]
-
-    def keep_rows(self, index):
-        """Drop finished rows so that decoding no longer pays for them."""
+    def select_rows(self, index):
+        """Row i becomes old row index[i]: repeating a row lets one prefilled prompt serve
+        several samples or answer choices; leaving rows out drops finished sequences."""
         self.k = [k.index_select(0, index) for k in self.k]
         self.v = [v.index_select(0, index) for v in self.v]
 
@@ -245,6 +241,19 @@ class Qwen3(nn.Module):
     def _chunk_logprobs(self, h, t):
         logits = self.lm_head(h).float()
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
+
+
+def left_pad(seqs, pad_id, device=None):
+    """Token lists -> (ids, mask), both (B, T), padded on the left so that every row's
+    next token goes into the same column. The mask, not the pad id, marks padding."""
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), T), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if s:
+            ids[i, T - len(s):] = torch.tensor(s)
+            mask[i, T - len(s):] = 1
+    return ids.to(device), mask.to(device)
 
 
 def init_weights(model, std=0.02, seed=0):

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model import left_pad
+
 
 @dataclass
 class Rollout:
@@ -62,18 +64,14 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     prompt_ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("empty prompt: every prompt needs at least one token")
-    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-    ids = torch.full((B, P), tokenizer.pad_id, dtype=torch.long, device=device)
-    mask = torch.zeros((B, P), dtype=torch.long, device=device)
-    for i, p in enumerate(prompt_ids):  # left padding: every row's next token goes in the same column
-        ids[i, P - len(p):] = torch.tensor(p, device=device)
-        mask[i, P - len(p):] = 1
+    ids, mask = left_pad(prompt_ids, tokenizer.pad_id, device)
+    B, P = ids.shape
 
     cache = model.new_cache(B, P + max_new_tokens)
     logits = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1:]
     logits = model.lm_head(logits)[:, -1].float()  # (B, vocab): only the last position is needed
     if n > 1:
-        cache.repeat_rows(n)
+        cache.select_rows(torch.arange(B, device=device).repeat_interleave(n))
         mask = mask.repeat_interleave(n, dim=0)
         logits = logits.repeat_interleave(n, dim=0)
     R = B * n
@@ -121,7 +119,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
         if len(keep) < len(alive):
             index = torch.tensor(keep, device=device)
             alive, next_tok, mask = alive[index], next_tok[index], mask[index]
-            cache.keep_rows(index)
+            cache.select_rows(index)
         mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
         logits = model(next_tok[:, None], attention_mask=mask, cache=cache)[:, -1].float()
 

@@ -20,19 +20,12 @@ def two_sequences(tok):
     return a, b
 
 
-def left_pad(seqs, pad):
-    T = max(len(s) for s in seqs)
-    ids = torch.tensor([[pad] * (T - len(s)) + s for s in seqs])
-    mask = torch.tensor([[0] * (T - len(s)) + [1] * len(s) for s in seqs])
-    return ids, mask
-
-
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_logits_match_transformers(tiny_models, name):
     ours, tok = M.load(tiny_models[name])
     ref = hf_model(tiny_models[name])
     a, b = two_sequences(tok)
-    ids, mask = left_pad([a, b], tok.pad_id)
+    ids, mask = M.left_pad([a, b], tok.pad_id)
     with torch.no_grad():
         expected = ref(input_ids=ids, attention_mask=mask).logits
         got = ours(ids, attention_mask=mask)
@@ -61,7 +54,7 @@ def test_kv_cache_and_left_padding(tiny_models, name):
         steps = [ours(torch.tensor([a[:5]]), cache=cache)]
         steps += [ours(torch.tensor([[t]]), cache=cache) for t in a[5:]]
         assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
-        ids, mask = left_pad([a, b], tok.pad_id)
+        ids, mask = M.left_pad([a, b], tok.pad_id)
         batch = ours(ids, attention_mask=mask)
         alone_b = ours(torch.tensor([b]))
         assert (batch[1, -len(b):] - alone_b[0]).abs().max() < 1e-4

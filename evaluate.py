@@ -1,0 +1,315 @@
+"""
+Evaluation: GSM8K accuracy (target task), MMLU and TruthfulQA multiple choice (retention),
+forgetting and retention ratio against the base model (the paper's eq. 12), and the
+results table in the layout of the paper's Table 2.
+
+    python evaluate.py base out/mild out/stress          # base model and two run folders
+    python evaluate.py --table out                      # print and write out/results.md
+
+Conventions follow lm-evaluation-harness: GSM8K 5-shot 'Question:/Answer:' prompts, greedy,
+strict ('#### N') and flexible (last number) extraction; MMLU 5-shot with the subject
+header, the prediction is the letter whose ' A'..' D' continuation is most likely;
+TruthfulQA MC1/MC2 with the six-question QA primer and summed log-likelihoods.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import torch
+from tqdm import tqdm
+
+import data
+import lora
+import model as M
+from sample import generate
+
+TASKS = ("gsm8k", "mmlu", "truthfulqa")
+# Table 2 of the paper (Nie 2026, arXiv 2605.22731), keyed by our run folder names
+PAPER = {
+    "base": dict(gsm8k=0.448, truthfulqa=0.300, mmlu=0.436),
+    "mild": dict(gsm8k=0.512, truthfulqa=0.295, mmlu=0.444, mmd=0.00956, forgetting=-0.0015, retention=1.0008),
+    "stress": dict(gsm8k=0.420, truthfulqa=0.245, mmlu=0.364, mmd=0.01093, forgetting=0.0635, retention=0.8258),
+    "opd-mild": dict(gsm8k=0.512, truthfulqa=0.290, mmlu=0.434, mmd=0.01470, forgetting=0.0060, retention=0.9810),
+    "opd-stress": dict(gsm8k=0.466, truthfulqa=0.275, mmlu=0.430, mmd=0.01092, forgetting=0.0155, retention=0.9515),
+    "opd-logits": dict(gsm8k=0.040),
+    "rl": dict(gsm8k=0.472, truthfulqa=0.290, mmlu=0.442, mmd=0.01098, forgetting=0.0020, retention=0.9902),
+}
+RUN_ORDER = list(PAPER)
+
+
+# -----------------------------------------------------------------------------
+# scoring
+
+@torch.no_grad()
+def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
+    """Summed log-likelihood of every continuation in choices[i] after contexts[i].
+
+    Tokenised as lm-evaluation-harness does (continuation tokens = tokens of the whole
+    string after the context's tokens). Each context is run once and its KV cache
+    copied to its choices, so a 5-shot prompt is not recomputed for every option.
+    Returns a list of lists of floats."""
+    device = model.lm_head.weight.device
+    ctx_ids = tok.encode_batch(contexts)
+    cont_ids = []
+    for ctx, c_ids, opts in zip(contexts, ctx_ids, choices):
+        cont_ids.append([whole[len(c_ids):] for whole in tok.encode_batch([ctx + o for o in opts])])
+    results = [None] * len(contexts)
+    order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))  # similar lengths share a batch
+    for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
+        batch = order[start:start + batch_size]
+        ids, mask = M.left_pad([ctx_ids[i] for i in batch], tok.pad_id, device)
+        conts = [c for i in batch for c in cont_ids[i]]
+        owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
+        L = max(len(c) for c in conts)
+        cache = model.new_cache(len(batch), ids.shape[1] + L)
+        last = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]  # (B, hidden)
+        cache.select_rows(owner)
+        # continuations right-padded: padding after the real tokens never influences them
+        c_ids = torch.full((len(conts), L), tok.pad_id, dtype=torch.long, device=device)
+        c_mask = torch.zeros((len(conts), L), dtype=torch.long, device=device)
+        for r, c in enumerate(conts):
+            c_ids[r, :len(c)] = torch.tensor(c, device=device)
+            c_mask[r, :len(c)] = 1
+        hidden = model(c_ids, attention_mask=torch.cat([mask[owner], c_mask], 1), cache=cache, hidden_only=True)
+        states = torch.cat([last[owner][:, None], hidden[:, :-1]], 1)  # state before each continuation token
+        keep = c_mask.bool()
+        logp = model.token_logprobs(states[keep], c_ids[keep])
+        rows = torch.arange(len(conts), device=device)[:, None].expand_as(keep)[keep]
+        sums = torch.zeros(len(conts), device=device).index_add_(0, rows, logp).tolist()
+        k = 0
+        for i in batch:
+            results[i] = sums[k:k + len(cont_ids[i])]
+            k += len(cont_ids[i])
+    return results
+
+
+def eval_gsm8k(model, tok, args):
+    test, train = data.load_gsm8k("test", args.data_dir), data.load_gsm8k("train", args.data_dir)
+    rows = test[:args.gsm8k_limit] if args.gsm8k_limit > 0 else test
+    shots = train[:args.gsm8k_shots]
+    prompts = [data.gsm8k_prompt(r["question"], shots) for r in rows]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    completions = [None] * len(prompts)
+    for start in tqdm(range(0, len(order), args.batch_size), desc="gsm8k", leave=False):
+        batch = order[start:start + args.batch_size]
+        outs = generate(model, tok, [prompts[i] for i in batch], max_new_tokens=args.max_new_tokens,
+                        temperature=0, stop=data.GSM8K_STOP)
+        for i, r in zip(batch, outs):
+            completions[i] = r.text
+    samples = []
+    for i, (row, text) in enumerate(zip(rows, completions)):
+        strict, flexible = data.extract_answer(text, "strict"), data.extract_answer(text, "flexible")
+        samples.append(dict(task="gsm8k", index=i, prompt=prompts[i], completion=text, gold=row["gold"],
+                            strict=strict, flexible=flexible, correct=data.same_number(flexible, row["gold"]),
+                            strict_correct=data.same_number(strict, row["gold"])))
+    n = len(samples)
+    return dict(flexible=sum(s["correct"] for s in samples) / n, strict=sum(s["strict_correct"] for s in samples) / n,
+                n=n, shots=len(shots)), samples
+
+
+def eval_mmlu(model, tok, args):
+    dev, test = data.load_mmlu("dev", args.data_dir), data.load_mmlu("test", args.data_dir)
+    rows = data.mmlu_subset(test, args.mmlu_limit, seed=args.seed)
+    prompts = [data.mmlu_prompt(r, dev[r["subject"]][:args.mmlu_shots]) for r in rows]
+    lls = score_choices(model, tok, prompts, [data.mmlu_continuations(r, args.mmlu_scoring) for r in rows],
+                        args.batch_size, desc="mmlu")
+    samples = []
+    for i, (row, ll) in enumerate(zip(rows, lls)):
+        pred = max(range(4), key=lambda c: ll[c])
+        samples.append(dict(task="mmlu", index=i, subject=row["subject"], prompt=prompts[i], loglikelihoods=ll,
+                            prediction=pred, answer=row["answer"], correct=pred == row["answer"]))
+    return dict(acc=sum(s["correct"] for s in samples) / len(samples), n=len(samples), scoring=args.mmlu_scoring), samples
+
+
+def mc2_score(lls, labels):
+    """Normalised probability mass on the true answers (TruthfulQA MC2)."""
+    p = [math.exp(x) for x in lls]
+    return sum(pi for pi, lab in zip(p, labels) if lab) / sum(p)
+
+
+def eval_truthfulqa(model, tok, args):
+    rows = data.load_truthfulqa(args.data_dir)
+    rows = rows[:args.truthfulqa_limit] if args.truthfulqa_limit > 0 else rows
+    prompts = [data.truthfulqa_prompt(r) for r in rows]
+    mc1 = score_choices(model, tok, prompts, [[f" {c}" for c in r["mc1_targets"]] for r in rows], args.batch_size, "tqa mc1")
+    mc2 = score_choices(model, tok, prompts, [[f" {c}" for c in r["mc2_targets"]] for r in rows], args.batch_size, "tqa mc2")
+    samples = []
+    for i, row in enumerate(rows):
+        labels1, labels2 = list(row["mc1_targets"].values()), list(row["mc2_targets"].values())
+        pred = max(range(len(labels1)), key=lambda c: mc1[i][c])
+        samples.append(dict(task="truthfulqa", index=i, prompt=prompts[i], mc1_loglikelihoods=mc1[i],
+                            mc2_loglikelihoods=mc2[i], prediction=pred, correct=bool(labels1[pred]),
+                            mc2=mc2_score(mc2[i], labels2)))
+    n = len(samples)
+    return dict(mc1=sum(s["correct"] for s in samples) / n, mc2=sum(s["mc2"] for s in samples) / n, n=n), samples
+
+
+# -----------------------------------------------------------------------------
+# retention and tables
+
+def retention_scores(result):
+    """The two retention numbers the paper averages: TruthfulQA MC1 and MMLU accuracy."""
+    out = {}
+    if "truthfulqa" in result:
+        out["truthfulqa"] = result["truthfulqa"]["mc1"]
+    if "mmlu" in result:
+        out["mmlu"] = result["mmlu"]["acc"]
+    return out
+
+
+def retention(base, post):
+    """Forgetting F = base - post and retention ratio post / base per task (eq. 12), and
+    their means over the tasks both have."""
+    tasks = [t for t in ("truthfulqa", "mmlu") if t in base and t in post]
+    per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else float("nan")) for t in tasks}
+    out = dict(per_task=per)
+    if tasks:
+        out["forgetting"] = sum(per[t]["forgetting"] for t in tasks) / len(tasks)
+        out["retention"] = sum(per[t]["retention"] for t in tasks) / len(tasks)
+    return out
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def collect_runs(root):
+    """name -> merged eval.json / drift.json / log summary for the base (root) and each run folder."""
+    runs = {}
+    if os.path.isfile(os.path.join(root, "eval.json")):
+        runs["base"] = {"eval": read_json(os.path.join(root, "eval.json"))}
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        folder = os.path.join(root, name)
+        if os.path.isfile(os.path.join(folder, "eval.json")):
+            runs[name] = {"eval": read_json(os.path.join(folder, "eval.json"))}
+            if os.path.isfile(os.path.join(folder, "drift.json")):
+                runs[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
+            log = os.path.join(folder, "log.jsonl")
+            if os.path.isfile(log):
+                with open(log) as f:
+                    nll = [json.loads(line).get("state_nll") for line in f]
+                nll = [x for x in nll if x is not None]
+                runs[name]["state_nll"] = sum(nll) / len(nll) if nll else None
+    ordered = [n for n in RUN_ORDER if n in runs] + [n for n in runs if n not in RUN_ORDER]
+    return {n: runs[n] for n in ordered}
+
+
+def table_rows(runs):
+    rows = []
+    for name, run in runs.items():
+        e = run["eval"]
+        ret = e.get("retention", {})
+        rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"), truthfulqa=e.get("truthfulqa", {}).get("mc1"),
+                         mmlu=e.get("mmlu", {}).get("acc"), mmd=run.get("drift", {}).get("mmd2"),
+                         forgetting=ret.get("forgetting"), retention=ret.get("retention"),
+                         state_nll=run.get("state_nll")))
+    return rows
+
+
+def fmt(x, digits=3):
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def results_markdown(runs):
+    cols = [("gsm8k", "GSM8K", 3), ("truthfulqa", "TruthfulQA", 3), ("mmlu", "MMLU", 3), ("mmd", "MMD", 5),
+            ("forgetting", "forgetting", 4), ("retention", "retention", 4)]
+    lines = ["Each cell: ours / the paper's Table 2 (Nie 2026). GSM8K flexible accuracy, TruthfulQA MC1, "
+             "MMLU accuracy, MMD^2 of rollout states against the base, forgetting and retention averaged "
+             "over TruthfulQA and MMLU. state_nll: mean NLL of the states each run trained on.", "",
+             "| run | " + " | ".join(c[1] for c in cols) + " | state_nll |",
+             "|---" * (len(cols) + 2) + "|"]
+    for row in table_rows(runs):
+        paper = PAPER.get(row["run"], {})
+        cells = [f"{fmt(row[k], d)} / {fmt(paper.get(k), d)}" for k, _, d in cols]
+        lines.append(f"| {row['run']} | " + " | ".join(cells) + f" | {fmt(row['state_nll'])} |")
+    return "\n".join(lines) + "\n"
+
+
+# -----------------------------------------------------------------------------
+# command line
+
+def add_eval_args(p):
+    p.add_argument("--tasks", default="gsm8k,mmlu,truthfulqa", help="comma-separated subset of gsm8k,mmlu,truthfulqa")
+    p.add_argument("--gsm8k-limit", type=int, default=500, help="first N GSM8K test questions (0 = all 1,319)")
+    p.add_argument("--gsm8k-shots", type=int, default=5, help="few-shot examples from the train split")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="GSM8K generation budget")
+    p.add_argument("--mmlu-limit", type=int, default=500, help="MMLU test questions, stratified over subjects (0 = all 14,042)")
+    p.add_argument("--mmlu-shots", type=int, default=5, help="dev examples per subject")
+    p.add_argument("--mmlu-scoring", choices=["letter", "text"], default="letter",
+                   help="score ' A'..' D' (lm-eval mmlu) or each choice's own text (lm-eval continuation variant)")
+    p.add_argument("--truthfulqa-limit", type=int, default=0, help="first N TruthfulQA questions (0 = all 817)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per batch")
+    p.add_argument("--seed", type=int, default=1234, help="seed of the MMLU subset")
+
+
+def evaluate(model, tok, args):
+    """Run the selected tasks on whatever adapter is active; returns (results, samples)."""
+    results, samples = {}, []
+    for task in args.tasks.split(","):
+        if task not in TASKS:
+            raise SystemExit(f"unknown task {task!r}; choose from {','.join(TASKS)}")
+        res, smp = {"gsm8k": eval_gsm8k, "mmlu": eval_mmlu, "truthfulqa": eval_truthfulqa}[task](model, tok, args)
+        results[task] = res
+        samples += smp
+    return results, samples
+
+
+def write_eval(folder, results, samples):
+    os.makedirs(folder, exist_ok=True)
+    lora.write_json(os.path.join(folder, "eval.json"), results)
+    lora.write_atomic(os.path.join(folder, "eval_samples.jsonl"),
+                      lambda p: open(p, "w").write("".join(json.dumps(s) + "\n" for s in samples)))
+
+
+def write_table(root):
+    runs = collect_runs(root)
+    if not runs:
+        raise SystemExit(f"no eval.json under {root}; run `python evaluate.py base ...` first")
+    text = results_markdown(runs)
+    lora.write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
+    return text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="*", help="'base' and/or run folders (base model + that run's adapter)")
+    p.add_argument("--model", default=M.DEFAULT_MODEL, help="base model: hub id or local folder")
+    p.add_argument("--out", default="out", help="output root; the base model's eval.json goes here")
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--table", metavar="ROOT", default=None, help="only print and write ROOT/results.md")
+    add_eval_args(p)
+    args = p.parse_args(argv)
+    if args.table:
+        print(write_table(args.table))
+        return
+    if not args.runs:
+        p.error("name 'base' and/or run folders to evaluate, or use --table ROOT")
+    for run in args.runs:
+        if run != "base" and not os.path.isfile(os.path.join(run, "adapter_config.json")):
+            raise SystemExit(f"{run} is not a run folder (no adapter_config.json); name a folder written by sft.py, rl.py or opd.py, or 'base'")
+    print(vars(args))
+    model, tok = M.load(args.model, args.device, args.dtype)
+    for run in args.runs:
+        if run == "base":
+            lora.set_adapter(model, None)
+            folder = args.out
+        else:
+            name = f"run{args.runs.index(run)}"
+            lora.load_adapter(model, run, name=name)
+            folder = run
+        results, samples = evaluate(model, tok, args)
+        base_path = os.path.join(args.out, "eval.json")
+        if run != "base" and os.path.isfile(base_path):
+            results["retention"] = retention(retention_scores(read_json(base_path)), retention_scores(results))
+        results["settings"] = {k: v for k, v in vars(args).items() if k not in ("runs", "table")}
+        write_eval(folder, results, samples)
+        print(f"{run}: " + json.dumps({k: v for k, v in results.items() if k != "settings"}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

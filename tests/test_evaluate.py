@@ -1,0 +1,90 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import evaluate as E
+import model as M
+from conftest import ROOT
+
+
+def brute_force(ref, tok, context, continuation):
+    whole, ctx = tok.encode(context + continuation), tok.encode(context)
+    ids = torch.tensor([whole])
+    with torch.no_grad():
+        logp = ref(input_ids=ids).logits[0].log_softmax(-1)
+    return sum(logp[t - 1, whole[t]].item() for t in range(len(ctx), len(whole)))
+
+
+def test_choice_scores_equal_brute_force_transformers(tiny_model, data_dir):
+    from transformers import Qwen3ForCausalLM
+    ours, tok = M.load(tiny_model)
+    ref = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    dev, test = data.load_mmlu("dev", data_dir), data.load_mmlu("test", data_dir)
+    mmlu_rows = [test["astronomy"][0], test["anatomy"][3], test["virology"][1]]
+    tqa = data.load_truthfulqa(data_dir)[:3]
+    contexts = [data.mmlu_prompt(r, dev[r["subject"]][:1]) for r in mmlu_rows] + [data.truthfulqa_prompt(r) for r in tqa]
+    choices = ([data.mmlu_continuations(r) for r in mmlu_rows[:2]] + [data.mmlu_continuations(mmlu_rows[2], "text")]
+               + [[f" {c}" for c in r["mc2_targets"]] for r in tqa])
+    got = E.score_choices(ours, tok, contexts, choices, batch_size=2)
+    for ctx, opts, scores in zip(contexts, choices, got):
+        expected = [brute_force(ref, tok, ctx, o) for o in opts]
+        assert len(scores) == len(opts)
+        assert max(abs(a - b) for a, b in zip(scores, expected)) < 1e-4
+        assert max(range(len(opts)), key=scores.__getitem__) == max(range(len(opts)), key=expected.__getitem__)
+
+
+def test_mc2_score():
+    import math
+    lls = [math.log(0.2), math.log(0.1), math.log(0.1)]
+    assert abs(E.mc2_score(lls, [1, 0, 0]) - 0.5) < 1e-9
+    assert abs(E.mc2_score(lls, [1, 1, 0]) - 0.75) < 1e-9
+
+
+def test_retention_math_reproduces_table2():
+    base = E.PAPER["base"]
+    for run in ("mild", "stress", "opd-mild", "opd-stress", "rl"):
+        paper = E.PAPER[run]
+        r = E.retention({"truthfulqa": base["truthfulqa"], "mmlu": base["mmlu"]},
+                        {"truthfulqa": paper["truthfulqa"], "mmlu": paper["mmlu"]})
+        assert abs(r["forgetting"] - paper["forgetting"]) < 5e-4, run
+        assert abs(r["retention"] - paper["retention"]) < 5e-4, run
+
+
+def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
+    import lora
+    out = tmp_path / "out"
+    cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", tiny_model, "--data-dir", data_dir,
+           "--out", str(out), "--gsm8k-limit", "8", "--mmlu-limit", "8", "--truthfulqa-limit", "8",
+           "--max-new-tokens", "16", "--gsm8k-shots", "1", "--mmlu-shots", "1", "--batch-size", "4"]
+    subprocess.run(cmd + ["base"], check=True, capture_output=True, text=True)
+    base = json.loads((out / "eval.json").read_text())
+    assert base["gsm8k"]["n"] == 8 and base["mmlu"]["n"] == 8 and base["truthfulqa"]["n"] == 8
+    samples = [json.loads(l) for l in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert sorted({s["task"] for s in samples}) == ["gsm8k", "mmlu", "truthfulqa"] and len(samples) == 24
+    acc = sum(s["correct"] for s in samples if s["task"] == "mmlu") / 8
+    assert acc == base["mmlu"]["acc"]
+
+    # a run folder: base model + a random adapter gets retention against the base
+    m, _ = M.load(tiny_model)
+    lora.add_lora(m, rank=2, alpha=4)
+    with torch.no_grad():
+        for p in lora.lora_parameters(m):
+            p.normal_(0, 0.5)
+    run = out / "stress"
+    lora.save_adapter(m, str(run))
+    subprocess.run(cmd + [str(run)], check=True, capture_output=True, text=True)
+    result = json.loads((run / "eval.json").read_text())
+    expected = E.retention(E.retention_scores(base), E.retention_scores(result))
+    assert result["retention"] == expected and "forgetting" in expected
+    table = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--table", str(out)],
+                           check=True, capture_output=True, text=True).stdout
+    assert "| base |" in table and "| stress |" in table and "0.420" in table  # paper's stress GSM8K beside ours
+    assert (out / "results.md").read_text() in table + "\n"
+
+    bad = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True)
+    assert bad.returncode != 0 and "is not a run folder" in bad.stderr.strip().splitlines()[-1]
