@@ -219,6 +219,19 @@ def mmlu_subset(test_by_subject, limit, seed=1234):
     return picked
 
 
+def batch_indices(n_items, step, batch_size, seed):
+    """Indices of the items used at a training step: a fresh permutation per epoch,
+    consumed batch by batch. A function of the step alone, so a resumed run sees the
+    same data as an uninterrupted one."""
+    first, last = step * batch_size, (step + 1) * batch_size
+    out = []
+    for epoch in range(first // n_items, (last - 1) // n_items + 1):
+        perm = random.Random(seed * 1_000_003 + epoch).sample(range(n_items), n_items)
+        lo, hi = max(first - epoch * n_items, 0), min(last - epoch * n_items, n_items)
+        out += perm[lo:hi]
+    return out
+
+
 # -----------------------------------------------------------------------------
 # prompts
 

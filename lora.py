@@ -31,7 +31,7 @@ class LoRALinear(nn.Module):
         self.bias = base.bias
         self.lora_A = nn.ParameterDict()  # name -> (r, in)
         self.lora_B = nn.ParameterDict()  # name -> (out, r)
-        self.dropout = nn.ModuleDict()
+        self.dropout = {}  # name -> p; applied with this layer's train/eval mode
         self.scaling = {}
         self.active = None  # name of the adapter in use, or None for the plain base
         self.merged = None  # name of the adapter folded into weight, if any
@@ -43,7 +43,7 @@ class LoRALinear(nn.Module):
         nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # same init as nn.Linear and PEFT
         self.lora_A[name] = nn.Parameter(A)
         self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, rank, device=self.weight.device))
-        self.dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout[name] = dropout
         self.scaling[name] = alpha / rank
 
     def delta_weight(self, name):
@@ -56,7 +56,7 @@ class LoRALinear(nn.Module):
             return y
         # LoRA parameters stay fp32 (the optimizer state too); the base may be bf16
         A, B = self.lora_A[name], self.lora_B[name]
-        h = self.dropout[name](x).to(A.dtype)
+        h = F.dropout(x, self.dropout[name], self.training).to(A.dtype)
         return y + (F.linear(F.linear(h, A), B) * self.scaling[name]).to(y.dtype)
 
     @torch.no_grad()
@@ -86,7 +86,9 @@ def wrap(model, targets=TARGETS):
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, nn.Linear):
-                setattr(module, child_name, LoRALinear(child))
+                wrapped = LoRALinear(child)
+                wrapped.train(child.training)  # a new module starts in train mode; keep the model's mode
+                setattr(module, child_name, wrapped)
     return lora_layers(model)
 
 
@@ -272,6 +274,18 @@ def lr_at(step, total_steps, peak_lr, warmup_frac):
     return peak_lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def optimizer_step(optimizer, step, total_steps, args):
+    """Scheduled learning rate, gradient clipping, one AdamW step; returns (lr, grad_norm)."""
+    lr = lr_at(step, total_steps, args.lr, args.warmup)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf")).item()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr, grad_norm
+
+
 def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     """The flags every training script shares; each script passes its own defaults."""
     from model import DEFAULT_MODEL
@@ -302,11 +316,14 @@ class RunFolder:
         self.folder = folder
         self.ckpt = os.path.join(folder, "checkpoint")
         self.log_path = os.path.join(folder, "log.jsonl")
-        if not resume and os.path.isfile(os.path.join(folder, "run.json")):
-            raise SystemExit(f"{folder} already holds a run; pass --resume to continue it or --out for a new folder")
-        if resume and not os.path.isdir(self.ckpt) and not os.path.isdir(self.ckpt + ".old"):
+        has_checkpoint = os.path.isdir(self.ckpt) or os.path.isdir(self.ckpt + ".old")
+        if not resume and has_checkpoint:
+            raise SystemExit(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
+        if resume and not has_checkpoint:
             raise SystemExit(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
         os.makedirs(folder, exist_ok=True)
+        if not resume and os.path.isfile(self.log_path):  # a run that died before its first checkpoint
+            os.remove(self.log_path)
         write_json(os.path.join(folder, "run.json"), {**vars(args), "git_commit": git_commit()})
 
     def resume(self, model, optimizer, name="default"):

@@ -242,6 +242,35 @@ class Qwen3(nn.Module):
         logits = self.lm_head(h).float()
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
+    def token_kl(self, student_hidden, teacher_hidden, direction="reverse", chunk_size=1024):
+        """Per-state KL between next-token distributions, (N,) in fp32, chunked like
+        token_logprobs. reverse: KL(student || teacher); forward: KL(teacher || student)."""
+        out = []
+        for hs, ht in zip(student_hidden.split(chunk_size), teacher_hidden.split(chunk_size)):
+            fn = lambda a, b: self._chunk_kl(a, b, direction)
+            if torch.is_grad_enabled() and hs.requires_grad:
+                out.append(torch.utils.checkpoint.checkpoint(fn, hs, ht, use_reentrant=False))
+            else:
+                out.append(fn(hs, ht))
+        return torch.cat(out) if out else student_hidden.new_zeros(0, dtype=torch.float32)
+
+    def _chunk_kl(self, hs, ht, direction):
+        z = self.lm_head(hs).float()  # student logits, the only thing that gets a gradient
+        log_s, log_t = z.log_softmax(-1), self.lm_head(ht).float().log_softmax(-1)
+        if direction == "reverse":  # KL(s || t) = sum p_s (log p_s - log p_t); d/dz = p_s (d - KL)
+            p_s, d = log_s.exp(), log_s - log_t
+            kl = (p_s * d).sum(-1)
+            grad = p_s * (d - kl[:, None])
+        else:  # KL(t || s) = sum p_t (log p_t - log p_s); d/dz = p_s - p_t
+            p_t = log_t.exp()
+            kl = (p_t * (log_t - log_s)).sum(-1)
+            grad = log_s.exp() - p_t
+        # the gradient in closed form rather than through autograd's chain of softmaxes: then
+        # identical distributions give exactly zero gradient, not float noise that Adam would
+        # scale up into a full-size step
+        surrogate = (grad.detach() * z).sum(-1)
+        return kl.detach() + surrogate - surrogate.detach()
+
 
 def left_pad(seqs, pad_id, device=None):
     """Token lists -> (ids, mask), both (B, T), padded on the left so that every row's
@@ -254,6 +283,39 @@ def left_pad(seqs, pad_id, device=None):
             ids[i, T - len(s):] = torch.tensor(s)
             mask[i, T - len(s):] = 1
     return ids.to(device), mask.to(device)
+
+
+def sequence_states(model, sequences, starts, pad_id=0):
+    """Hidden states of every state (seq[:t]) whose next token seq[t] is trained on, for t
+    in [start, len(seq)) of each sequence. Returns (states (N, hidden), targets (N,), row (N,)).
+    Sequences are right-padded: causal attention alone keeps padding out of real tokens,
+    so no mask is needed and the fast causal kernel is used."""
+    device = model.lm_head.weight.device
+    L = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), L), pad_id, dtype=torch.long)
+    rows, cols = [], []
+    for b, (s, start) in enumerate(zip(sequences, starts)):
+        if not 1 <= start <= len(s):
+            raise ValueError(f"sequence {b}: start {start} outside [1, {len(s)}]")
+        ids[b, :len(s)] = torch.tensor(s)
+        rows += [b] * (len(s) - start)
+        cols += range(start, len(s))
+    ids = ids.to(device)
+    rows, cols = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+    hidden = model(ids, hidden_only=True)
+    return hidden[rows, cols - 1], ids[rows, cols], rows
+
+
+def sequence_logprobs(model, sequences, starts, pad_id=0):
+    """log p(seq[t] | seq[:t]) in fp32 for t in [start, len(seq)); flat (N,) with row ids (N,)."""
+    states, targets, rows = sequence_states(model, sequences, starts, pad_id)
+    return model.token_logprobs(states, targets), rows
+
+
+def autocast(device):
+    """bf16 autocast on CUDA (the LoRA path is fp32 parameters); plain fp32 or bf16 weights on CPU."""
+    import contextlib
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def init_weights(model, std=0.02, seed=0):

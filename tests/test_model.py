@@ -142,3 +142,25 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
 
     with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub id"):
         M.load(str(tmp_path / "does" / "not" / "exist"))
+
+
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+def test_token_kl_value_and_gradient(tiny_model, direction):
+    ours, tok = M.load(tiny_model)
+    ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
+    with torch.no_grad():
+        hs = ours(ids, hidden_only=True)[0]
+    ht = hs.roll(1, 0)  # another distribution at every position
+    h1 = hs.clone().requires_grad_(True)
+    got = ours.token_kl(h1, ht, direction, chunk_size=3)
+    h2 = hs.clone().requires_grad_(True)
+    ls, lt = ours.lm_head(h2).log_softmax(-1), ours.lm_head(ht).log_softmax(-1)
+    expected = (ls.exp() * (ls - lt)).sum(-1) if direction == "reverse" else (lt.exp() * (lt - ls)).sum(-1)
+    assert torch.allclose(got, expected, atol=1e-5) and (got > 0).all()
+    got.sum().backward()
+    expected.sum().backward()
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
+    h3 = hs.clone().requires_grad_(True)
+    same = ours.token_kl(h3, hs, direction)
+    same.sum().backward()
+    assert (same == 0).all() and (h3.grad == 0).all()  # exactly, not approximately

@@ -1,0 +1,162 @@
+"""
+On-policy distillation (OPD): the student's states, the teacher's signal.
+
+State source:  the student's own rollouts, d^{pi_S}: each step the student (base + its
+               adapter) samples one completion per GSM8K train prompt with sample.generate.
+Signal source: the teacher, queried at those student states.
+  --signal continuation (default, the paper's working variant, DAgger-like): at --cuts
+               points t of each student rollout the teacher greedily continues the
+               student's prefix (x, y_<t) for up to --continuation-tokens tokens; the
+               student learns those teacher tokens with cross-entropy given its own prefix.
+  --signal logits: per-token KL between the teacher's and the student's next-token
+               distributions at every state of the student's rollout (--kl reverse, the
+               usual OPD objective, or forward), the one-step variant the paper saw
+               collapse (GSM8K 0.040, its section 6).
+
+A teacher is a run folder (the base model + that run's adapter) or a model id. A run-folder
+teacher shares the student's frozen base weights in memory: only the active adapter switches.
+
+    python opd.py --teacher out/stress              # -> out/opd-stress
+    python opd.py --teacher out/mild --signal logits --out out/opd-logits-mild
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import data
+import lora
+import model as M
+from sample import generate
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", required=True, help="run folder (base + its adapter) or a model id / folder")
+    p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>)")
+    p.add_argument("--signal", choices=["continuation", "logits"], default="continuation", help="what the teacher supplies")
+    p.add_argument("--kl", choices=["reverse", "forward"], default="reverse", help="KL direction for --signal logits")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (the schedule's length)")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="student rollouts per step (one per prompt)")
+    p.add_argument("--temperature", type=float, default=1.0, help="student sampling temperature")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest student rollout")
+    p.add_argument("--cuts", type=int, default=4, help="cut points per rollout where the teacher continues")
+    p.add_argument("--continuation-tokens", type=int, default=32, help="longest teacher continuation")
+    lora.add_training_args(p, lr=1e-4, rank=16, alpha=32)
+    args = p.parse_args(argv)
+    args.out = args.out or f"out/opd-{os.path.basename(os.path.normpath(args.teacher))}"
+    return args
+
+
+def load_teacher(model, args):
+    """Adapter 'teacher' on the shared base, or None when the teacher is the base itself.
+    A different model id gets its own copy (it must share the tokenizer)."""
+    if os.path.isdir(args.teacher) and os.path.isfile(os.path.join(args.teacher, "adapter_config.json")):
+        run_json = os.path.join(args.teacher, "run.json")
+        if os.path.isfile(run_json):
+            with open(run_json) as f:
+                teacher_base = json.load(f).get("model")
+            if teacher_base and os.path.normpath(teacher_base) != os.path.normpath(args.model):
+                raise SystemExit(f"teacher {args.teacher} was trained on base {teacher_base}, but --model is "
+                                 f"{args.model}; pass --model {teacher_base}")
+        try:
+            lora.load_adapter(model, args.teacher, name="teacher", activate=False)
+        except ValueError as e:
+            raise SystemExit(f"teacher {args.teacher}: {e}") from None
+        return model, "teacher"
+    if os.path.normpath(args.teacher) == os.path.normpath(args.model):
+        return model, None
+    if os.path.isdir(args.teacher) and not os.path.isfile(os.path.join(args.teacher, "config.json")):
+        raise SystemExit(f"teacher {args.teacher} is neither a run folder (adapter_config.json) nor a model folder (config.json)")
+    if not os.path.isdir(args.teacher) and args.teacher.count("/") != 1:
+        raise SystemExit(f"teacher {args.teacher} does not exist; pass a run folder such as out/stress or a model id")
+    teacher, _ = M.load(args.teacher, model.lm_head.weight.device, model.lm_head.weight.dtype)
+    return teacher, None
+
+
+def continuation_loss(student_logp):
+    """(loss, metrics): mean cross-entropy over every teacher token of the step."""
+    return -student_logp.mean(), dict(tokens=student_logp.numel())
+
+
+def logit_kl_loss(token_kl):
+    """(loss, metrics): mean per-state KL over every student state of the step."""
+    return token_kl.mean(), dict(tokens=token_kl.numel())
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    print(vars(args))
+    device, dtype = M.resolve_device(args.device, args.dtype)
+    print(f"device {device}, dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    model, tok = M.load(args.model, device, dtype)
+    teacher, teacher_adapter = load_teacher(model, args)
+    run = lora.RunFolder(args.out, args, args.resume)
+    torch.manual_seed(args.seed)  # the initial LoRA A matrices
+    lora.add_lora(model, args.rank, args.alpha, args.lora_dropout, name="default")  # the student
+    rows = data.load_gsm8k("train", args.data_dir)
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
+    start = run.resume(model, optimizer) if args.resume else 0
+    end = min(args.steps, args.max_steps) if args.max_steps else args.steps
+
+    def teacher_states(sequences, starts):  # the teacher's hidden states at the student's states
+        with torch.no_grad(), lora.use_adapter(teacher, teacher_adapter), M.autocast(device):
+            return M.sequence_states(teacher, sequences, starts, tok.pad_id)[0]
+
+    bar = tqdm(range(start, end), initial=start, total=end, desc=f"opd-{args.signal}")
+    for step in bar:
+        t0 = time.time()
+        torch.manual_seed(args.seed * 1_000_003 + step)
+        batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
+
+        # the state source: the student samples its own trajectories
+        model.eval()
+        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
+        sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
+        starts = [len(r.prompt_ids) for r in rollouts]
+        with torch.no_grad(), M.autocast(device):  # teacher-student KL on the student's states, logged for both signals
+            student_h = M.sequence_states(model, sequences, starts, tok.pad_id)[0]
+            state_kl = model.token_kl(student_h, teacher_states(sequences, starts), args.kl).mean().item()
+
+        model.train()
+        if args.signal == "continuation":
+            rng = random.Random(args.seed * 1_000_003 + step)
+            prefixes = [r.prompt_ids + r.completion_ids[:t] for r in rollouts
+                        for t in sorted(rng.sample(range(len(r.completion_ids)), min(args.cuts, len(r.completion_ids))))]
+            with lora.use_adapter(teacher, teacher_adapter):  # the signal: teacher continues the student's prefix
+                teacher.eval()
+                conts = generate(teacher, tok, prefixes, max_new_tokens=args.continuation_tokens, temperature=0)
+            model.train()
+            with M.autocast(device):
+                logp, _ = M.sequence_logprobs(model, [p + c.completion_ids for p, c in zip(prefixes, conts)],
+                                              [len(p) for p in prefixes], tok.pad_id)
+            loss, metrics = continuation_loss(logp)
+        else:
+            with M.autocast(device):
+                student_h = M.sequence_states(model, sequences, starts, tok.pad_id)[0]
+                loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_states(sequences, starts), args.kl))
+        run.check_finite(step + 1, loss.item())
+        loss.backward()
+        lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
+
+        state_nll = -statistics.mean(lp for r in rollouts for lp in r.logprobs)
+        rewards = [float(data.is_correct(r.text, row["gold"])) for r, row in zip(rollouts, batch)]
+        run.log(dict(step=step + 1, loss=loss.item(), state_kl=state_kl, state_nll=state_nll, reward=statistics.mean(rewards),
+                     completion_len=statistics.mean(len(r.completion_ids) for r in rollouts), lr=lr,
+                     grad_norm=grad_norm, seconds=time.time() - t0, **metrics))
+        bar.set_postfix(loss=f"{loss.item():.4f}", kl=f"{state_kl:.4f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == end:
+            run.save(model, optimizer, step + 1)
+    print(f"done: adapter in {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

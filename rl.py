@@ -1,0 +1,133 @@
+"""
+On-policy RL, GRPO-style (Shao et al. 2024, arXiv 2402.03300), in its minimal form.
+
+State source:  the current policy's own rollouts, d^{pi_theta}: each step samples
+               --group-size completions for each of --prompts-per-step GSM8K train
+               prompts with sample.generate on the learner's current weights.
+Signal source: a scalar exact-answer reward (data.is_correct: 1 if the answer equals the
+               gold number, else 0), turned into a group-relative advantage
+               (r - mean_group) / (std_group + 1e-4) shared by every token of a completion.
+
+Departures from the textbook method: no value function (the group mean is the baseline);
+no KL penalty by default (--kl-coef adds the k3 estimator against the base model, computed
+by switching the adapter off, not with a second model copy); one gradient step per batch,
+so the PPO ratio is exactly 1 and clipping only acts with --ppo-epochs > 1; the loss is a
+token-level mean over all completion tokens of the batch (end-of-text included, so the
+policy also learns when to stop) rather than a per-sequence mean.
+
+    python rl.py                       # -> out/rl
+    python rl.py --max-steps 20 --out out/rl-short
+"""
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import data
+import lora
+import model as M
+from sample import generate
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/rl", help="run folder")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (the schedule's length)")
+    p.add_argument("--prompts-per-step", type=int, default=8, help="GSM8K train prompts per step")
+    p.add_argument("--group-size", type=int, default=8, help="completions sampled per prompt")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest completion")
+    p.add_argument("--ppo-epochs", type=int, default=1, help="gradient steps per batch of rollouts (1 = on-policy)")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip, used when --ppo-epochs > 1")
+    p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the k3 KL estimate against the base model")
+    lora.add_training_args(p, lr=2e-5, rank=16, alpha=32, warmup=0.0)
+    return p.parse_args(argv)
+
+
+def group_advantages(rewards, group_size):
+    """(r - mean) / (std + 1e-4) within each group of samples of one prompt (population std)."""
+    r = torch.tensor(rewards, dtype=torch.float32).view(-1, group_size)
+    return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-4)).flatten()
+
+
+def policy_loss(logp, old_logp, advantages, clip, ref_logp=None, kl_coef=0.0):
+    """Clipped policy-gradient loss plus an optional k3 KL term, all per token, (N,) each.
+    Returns (loss, metrics); the mean divides by the number of completion tokens in the batch."""
+    ratio = (logp - old_logp).exp()
+    pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
+    metrics = dict(clip_frac=((ratio - 1).abs() > clip).float().mean().item())
+    if ref_logp is not None and kl_coef > 0:
+        # k3 estimator of KL(pi || ref), unbiased and always >= 0 (Schulman 2020, "Approximating KL divergence")
+        log_r = ref_logp - logp
+        kl = log_r.exp() - log_r - 1
+        pg = pg + kl_coef * kl
+        metrics["kl"] = kl.mean().item()
+    return pg.mean(), metrics
+
+
+def exact_answer_reward(rollout, row):
+    return 1.0 if data.is_correct(rollout.text, row["gold"]) else 0.0
+
+
+def main(argv=None, reward_fn=exact_answer_reward):
+    args = parse_args(argv)
+    print(vars(args))
+    device, dtype = M.resolve_device(args.device, args.dtype)
+    print(f"device {device}, dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    run = lora.RunFolder(args.out, args, args.resume)
+    model, tok = M.load(args.model, device, dtype)
+    torch.manual_seed(args.seed)  # the initial LoRA A matrices
+    lora.add_lora(model, args.rank, args.alpha, args.lora_dropout)
+    rows = data.load_gsm8k("train", args.data_dir)
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
+    start = run.resume(model, optimizer) if args.resume else 0
+    end = min(args.steps, args.max_steps) if args.max_steps else args.steps
+    bar = tqdm(range(start, end), initial=start, total=end, desc="rl")
+    for step in bar:
+        t0 = time.time()
+        torch.manual_seed(args.seed * 1_000_003 + step)
+        batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
+
+        # the state source: the current policy samples its own trajectories
+        model.eval()
+        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], n=args.group_size,
+                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
+        rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
+        adv_per_seq = group_advantages(rewards, args.group_size).to(device)
+        sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
+        starts = [len(r.prompt_ids) for r in rollouts]
+        old_logp = torch.tensor([lp for r in rollouts for lp in r.logprobs], device=device)
+        ref_logp = None
+        if args.kl_coef > 0:
+            with torch.no_grad(), lora.use_adapter(model, None), M.autocast(device):
+                ref_logp, _ = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
+
+        model.train()
+        for _ in range(args.ppo_epochs):
+            with M.autocast(device):
+                logp, seq_of_token = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
+            # no PPO ratio needed on the first epoch, we are on policy: exp(logp - old_logp) == 1 up to float noise
+            loss, metrics = policy_loss(logp, old_logp, adv_per_seq[seq_of_token], args.clip, ref_logp, args.kl_coef)
+            run.check_finite(step + 1, loss.item())
+            loss.backward()
+            lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
+
+        groups = torch.tensor(rewards).view(-1, args.group_size)
+        record = dict(step=step + 1, loss=loss.item(), reward=sum(rewards) / len(rewards),
+                      no_signal_frac=(groups.std(1, unbiased=False) == 0).float().mean().item(),
+                      completion_len=statistics.mean(len(r.completion_ids) for r in rollouts),
+                      state_nll=-old_logp.mean().item(), lr=lr, grad_norm=grad_norm, tokens=old_logp.numel(),
+                      seconds=time.time() - t0, **metrics)
+        run.log(record)
+        bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")
+        if (step + 1) % args.save_every == 0 or step + 1 == end:
+            run.save(model, optimizer, step + 1)
+    print(f"done: adapter in {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,263 @@
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import data
+import lora
+import model as M
+import opd
+import rl
+import sft
+from conftest import ROOT
+
+LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
+
+
+def common(tiny_model, data_dir, out, *extra):
+    return ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(out), *map(str, extra)]
+
+
+def read_log(folder):
+    return [json.loads(l) for l in open(os.path.join(folder, "log.jsonl"))]
+
+
+def adapter_tensors(folder):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "adapter_model.safetensors"))
+
+
+def write_fixed_answer_data(source, folder, answer, n=24):
+    """GSM8K-format data whose every answer is the same string."""
+    rows = data.load_gsm8k("train", source)[:n]
+    os.makedirs(os.path.join(folder, "gsm8k"), exist_ok=True)
+    for split in ("train", "test"):
+        with open(os.path.join(folder, "gsm8k", f"{split}.jsonl"), "w") as f:
+            for r in rows:
+                f.write(json.dumps({"question": r["question"], "answer": answer}) + "\n")
+    return folder
+
+
+@pytest.mark.parametrize("script,extra", [
+    ("sft.py", ["--train-limit", 16, "--batch-size", 4, "--max-steps", 2]),
+    ("rl.py", ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 8, "--max-steps", 2, "--kl-coef", 0.1]),
+    ("opd.py", ["--teacher", "BASE", "--prompts-per-step", 2, "--max-new-tokens", 8, "--max-steps", 2]),
+])
+def test_scripts_run_from_the_command_line(tiny_model, data_dir, tmp_path, script, extra):
+    from peft import PeftModel
+    from transformers import Qwen3ForCausalLM
+    out = tmp_path / "run"
+    extra = [tiny_model if e == "BASE" else e for e in extra]
+    subprocess.run([sys.executable, os.path.join(ROOT, script), *common(tiny_model, data_dir, out, *extra)],
+                   check=True, capture_output=True, text=True)
+    log = read_log(out)
+    assert [r["step"] for r in log] == [1, 2] and all(LOG_FIELDS <= set(r) for r in log)
+    run = json.loads((out / "run.json").read_text())
+    assert run["model"] == tiny_model and "git_commit" in run
+    ours, tok = M.load(tiny_model)
+    lora.load_adapter(ours, str(out))
+    ref = PeftModel.from_pretrained(Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), str(out)).eval()
+    ids = torch.tensor([tok.encode("Question: 1 + 1?\nAnswer:")])
+    with torch.no_grad():
+        assert (ours(ids) - ref(input_ids=ids).logits).abs().max() < 1e-5
+
+
+def answer_nll(tiny_model, adapter, examples):
+    m, tok = M.load(tiny_model)
+    if adapter:
+        lora.load_adapter(m, adapter)
+    with torch.no_grad():
+        seqs = [tok.encode(p) for p, _ in examples]
+        full = [tok.encode(p + " " + a) + [tok.eos_id] for p, a in examples]
+        logp, _ = M.sequence_logprobs(m, full, [len(s) for s in seqs])
+    return -logp.mean().item()
+
+
+def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path):
+    out = tmp_path / "sft"
+    sft.main(common(tiny_model, data_dir, out, "--train-limit", 4, "--batch-size", 4, "--epochs", 100,
+                    "--lr", 2e-2, "--rank", 16, "--alpha", 32, "--lora-dropout", 0, "--warmup", 0))
+    rows = data.load_gsm8k("train", data_dir)[:4]
+    examples = [(data.gsm8k_prompt(r["question"]), r["answer"]) for r in rows]
+    before, after = answer_nll(tiny_model, None, examples), answer_nll(tiny_model, str(out), examples)
+    assert after < 0.2 * before, (before, after)
+    log = read_log(out)
+    assert log[-1]["loss"] < 0.2 * log[0]["loss"]
+
+
+def test_rl_raises_the_probability_of_the_rewarded_token(tiny_model, data_dir, tmp_path):
+    m, tok = M.load(tiny_model)
+    prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("train", data_dir)[:4]]
+
+    def first_token_probs(model):
+        with torch.no_grad():
+            ids, mask = M.left_pad([tok.encode(p) for p in prompts], tok.pad_id)
+            return model(ids, attention_mask=mask)[:, -1].softmax(-1).mean(0)
+
+    base_probs = first_token_probs(m)
+    target = int(base_probs.argsort(descending=True)[5])  # a plausible but not dominant token
+    reward = lambda rollout, row: float(target in rollout.completion_ids[:1])
+    out = tmp_path / "rl"
+    rl.main(common(tiny_model, data_dir, out, "--prompts-per-step", 4, "--group-size", 16, "--max-new-tokens", 1,
+                   "--lr", 3e-2, "--rank", 4, "--alpha", 8, "--steps", 12, "--seed", 1),
+            reward_fn=reward)
+    lora.load_adapter(m, str(out))
+    # prompts are drawn from the whole train set, so this also checks it generalises over prompts
+    assert first_token_probs(m)[target] > 2 * base_probs[target], (base_probs[target], first_token_probs(m)[target])
+    assert read_log(out)[0]["reward"] < read_log(out)[-1]["reward"]
+
+
+def test_opd_student_learns_the_teachers_fixed_answer(tiny_model, data_dir, tmp_path):
+    answer = "The answer is 7.\n#### 7"
+    fixed = write_fixed_answer_data(data_dir, str(tmp_path / "data"), answer)
+    teacher = tmp_path / "teacher"
+    sft.main(common(tiny_model, fixed, teacher, "--batch-size", 8, "--epochs", 30, "--lr", 1e-2, "--rank", 8,
+                    "--alpha", 16, "--lora-dropout", 0, "--warmup", 0))
+    m, tok = M.load(tiny_model)
+    prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("train", fixed)[:6]]
+    from sample import generate
+    lora.load_adapter(m, str(teacher))
+    assert all(r.text == " " + answer for r in generate(m, tok, prompts, max_new_tokens=16, temperature=0))
+    lora.set_adapter(m, None)
+    assert not any(r.text == " " + answer for r in generate(m, tok, prompts, max_new_tokens=16, temperature=0))
+
+    student = tmp_path / "student"
+    opd.main(common(tiny_model, fixed, student, "--teacher", teacher, "--prompts-per-step", 8, "--max-new-tokens", 20,
+                    "--continuation-tokens", 20, "--lr", 1e-2, "--rank", 8, "--alpha", 16, "--steps", 80))
+    s, _ = M.load(tiny_model)
+    lora.load_adapter(s, str(student))
+    texts = [r.text for r in generate(s, tok, prompts, max_new_tokens=16, temperature=0)]
+    assert all(t == " " + answer for t in texts), texts
+
+
+def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_dir, tmp_path):
+    out = tmp_path / "opd"
+    opd.main(common(tiny_model, data_dir, out, "--teacher", tiny_model, "--signal", "logits", "--prompts-per-step", 2,
+                    "--max-new-tokens", 8, "--max-steps", 3))
+    log = read_log(out)
+    assert all(r["loss"] == 0.0 and r["state_kl"] == 0.0 and r["grad_norm"] == 0.0 for r in log)
+    assert all(t.abs().max() == 0 for k, t in adapter_tensors(out).items() if "lora_B" in k)
+
+
+def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_path, monkeypatch):
+    seen = {"trained": [], "sampled": []}
+    real_logprobs, real_states, real_generate = M.sequence_logprobs, M.sequence_states, rl.generate
+
+    def record_logprobs(model, sequences, starts, pad_id=0):
+        if torch.is_grad_enabled():
+            seen["trained"].append([s[:st] for s, st in zip(sequences, starts)])
+        return real_logprobs(model, sequences, starts, pad_id)
+
+    def record_generate(*a, **k):
+        out = real_generate(*a, **k)
+        seen["sampled"].append(out)
+        return out
+
+    monkeypatch.setattr(M, "sequence_logprobs", record_logprobs)
+    # SFT: every training prefix ends where its prompt ends and the rest is dataset text
+    sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 4, "--max-steps", 1))
+    _, tok = M.load(tiny_model)
+    dataset_prompts = {data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("train", data_dir)[:8]}
+    assert len(seen["trained"][0]) == 4 and all(tok.decode(p) in dataset_prompts for p in seen["trained"][0])
+
+    # RL: the sequences trained on are exactly prompt + completion tokens the sampler returned this step
+    monkeypatch.setattr(rl, "generate", record_generate)
+    seen["trained"].clear()
+    full = []
+    monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
+        full.append(seqs) if torch.is_grad_enabled() else None) or real_logprobs(m, seqs, st, pad_id))
+    rl.main(common(tiny_model, data_dir, tmp_path / "rl", "--prompts-per-step", 2, "--group-size", 3,
+                   "--max-new-tokens", 6, "--max-steps", 2))
+    assert len(full) == 2 and len(seen["sampled"]) == 2
+    for seqs, rollouts in zip(full, seen["sampled"]):
+        assert seqs == [r.prompt_ids + r.completion_ids for r in rollouts]
+
+    # OPD: the student's rollouts (its states) come from the sampler with the student adapter active,
+    # and every trained sequence starts with one of those rollouts' prefixes
+    full.clear()
+    active = []
+
+    def record_opd_generate(model, *a, **k):
+        out = real_generate(model, *a, **k)
+        active.append(next(l.active for l in lora.lora_layers(model).values()))
+        seen["sampled"].append(out)
+        return out
+
+    seen["sampled"].clear()
+    monkeypatch.setattr(opd, "generate", record_opd_generate)
+    opd.main(common(tiny_model, data_dir, tmp_path / "opd", "--teacher", tmp_path / "sft", "--prompts-per-step", 2,
+                    "--max-new-tokens", 6, "--max-steps", 1))
+    student_rollouts = seen["sampled"][0]
+    assert active == ["default", "teacher"]  # student samples the states, teacher continues them
+    states = [r.prompt_ids + r.completion_ids for r in student_rollouts]
+    (trained,) = full
+    teacher_outs = seen["sampled"][1]
+    for seq, cont in zip(trained, teacher_outs):
+        prefix = seq[:len(seq) - len(cont.completion_ids)]
+        assert any(s[:len(prefix)] == prefix for s in states) and seq[len(prefix):] == cont.completion_ids
+
+
+@pytest.mark.parametrize("script", ["sft", "rl", "opd"])
+def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, script):
+    main = {"sft": sft.main, "rl": rl.main, "opd": opd.main}[script]
+    extra = {"sft": ["--train-limit", 12, "--batch-size", 4, "--lora-dropout", 0.1, "--epochs", 2],
+             "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--steps", 4, "--lr", 1e-3],
+             "opd": ["--teacher", tiny_model, "--prompts-per-step", 2, "--max-new-tokens", 6, "--steps", 4,
+                     "--continuation-tokens", 4, "--lr", 1e-3]}[script]
+    main(common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 4, "--save-every", 2))
+    main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 2, "--save-every", 2))
+    with pytest.raises(SystemExit, match="already holds a trained run"):
+        main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4))
+    main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4, "--save-every", 2, "--resume"))
+    a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # it did train
+    assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4]
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir, tmp_path, monkeypatch):
+    args = common(tiny_model, data_dir, tmp_path / "nan", "--train-limit", 12, "--batch-size", 4, "--save-every", 2,
+                  "--epochs", 2)
+    calls = {"n": 0}
+    real = sft.sft_loss
+
+    def poisoned(logp):
+        calls["n"] += 1
+        loss, m = real(logp)
+        return (loss * float("nan"), m) if calls["n"] == 3 else (loss, m)
+
+    monkeypatch.setattr(sft, "sft_loss", poisoned)
+    with pytest.raises(SystemExit, match=r"step 3: loss is nan; stopped.*checkpoint.*intact") as e:
+        sft.main(args + ["--max-steps", "4"])
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(sft, "sft_loss", real)
+    sft.main(common(tiny_model, data_dir, tmp_path / "clean", "--train-limit", 12, "--batch-size", 4, "--epochs", 2,
+                    "--max-steps", 2))
+    kept = torch.load(tmp_path / "nan" / "checkpoint" / "trainer.pt", weights_only=True)
+    assert kept["step"] == 2
+    a, b = adapter_tensors(tmp_path / "nan" / "checkpoint"), adapter_tensors(tmp_path / "clean")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+
+def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path):
+    def run(teacher, model):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "opd.py"), "--teacher", str(teacher),
+                            *common(model, data_dir, tmp_path / "o", "--max-steps", 1)], capture_output=True, text=True)
+        assert r.returncode != 0
+        return r.stderr.strip().splitlines()
+
+    lines = run("does/not/exist", tiny_models["tied"])
+    assert len(lines) == 1 and "does/not/exist does not exist" in lines[0]
+    other = tmp_path / "other"
+    m, _ = M.load(tiny_models["untied"])
+    lora.add_lora(m, rank=2, alpha=4)
+    lora.save_adapter(m, str(other))  # no run.json: only the shapes can tell
+    lines = run(other, tiny_models["tied"])
+    assert len(lines) == 1 and "another base model" in lines[0]
+    with open(other / "run.json", "w") as f:
+        json.dump({"model": tiny_models["untied"]}, f)
+    lines = run(other, tiny_models["tied"])
+    assert len(lines) == 1 and f"pass --model {tiny_models['untied']}" in lines[0]
