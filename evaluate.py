@@ -163,11 +163,13 @@ def retention(base, post):
     """Forgetting F = base - post and retention ratio post / base per task (eq. 12), and
     their means over the tasks both have."""
     tasks = [t for t in ("truthfulqa", "mmlu") if t in base and t in post]
-    per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else float("nan")) for t in tasks}
+    # a base score of zero has no ratio: None (JSON null) rather than a NaN
+    per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else None) for t in tasks}
     out = dict(per_task=per)
     if tasks:
         out["forgetting"] = sum(per[t]["forgetting"] for t in tasks) / len(tasks)
-        out["retention"] = sum(per[t]["retention"] for t in tasks) / len(tasks)
+        ratios = [per[t]["retention"] for t in tasks]
+        out["retention"] = None if None in ratios else sum(ratios) / len(ratios)
     return out
 
 

@@ -307,6 +307,14 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
 
 
+def run_finished(folder):
+    path = os.path.join(folder, "run.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return "finished_steps" in json.load(f)
+
+
 class RunFolder:
     """out/<run>/: run.json, log.jsonl, the latest adapter (PEFT format) and checkpoint/
     (adapter + optimizer state + step). Every file is written atomically and checkpoint/
@@ -354,6 +362,13 @@ class RunFolder:
         os.replace(tmp, self.ckpt)
         shutil.rmtree(old, ignore_errors=True)
         save_adapter(model, self.folder, name)
+
+    def finish(self, step):
+        """Mark the run complete in run.json; reproduce.py skips finished runs."""
+        path = os.path.join(self.folder, "run.json")
+        with open(path) as f:
+            info = json.load(f)
+        write_json(path, {**info, "finished_steps": step})
 
     def log(self, record):
         with open(self.log_path, "a") as f:

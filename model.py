@@ -360,6 +360,23 @@ class Tokenizer:
         return self.tok.get_vocab_size()
 
 
+def train_tokenizer(texts, path, vocab_size=512, eos="<|endoftext|>", split_digits=True):
+    """A byte-level BPE tokenizer.json (like Qwen's, only smaller) trained on texts, with
+    eos as its first special token (id 0). Digits split one per token by default, as in
+    Qwen's own pre-tokenizer, so that small models can learn arithmetic digit by digit."""
+    from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
+    tok = HFTokenizer(models.BPE())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
+        if split_digits else byte_level
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tok.save(path)
+    return path
+
+
 # -----------------------------------------------------------------------------
 # loading
 
@@ -470,6 +487,31 @@ def load(name_or_path=DEFAULT_MODEL, device=None, dtype=None):
     model.eval().requires_grad_(False)
     model.name_or_path = name_or_path
     return model, load_tokenizer(folder, config)
+
+
+def save(model, folder, tokenizer_path=None):
+    """Write a Hugging Face-format folder (config.json, generation_config.json,
+    model.safetensors, optionally tokenizer.json) that load() and transformers both open."""
+    import shutil
+    from dataclasses import asdict
+    from safetensors.torch import save_file
+    os.makedirs(folder, exist_ok=True)
+    cfg = asdict(model.config)
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+              **{k: v for k, v in cfg.items() if v is not None}, "bos_token_id": cfg["eos_token_id"],
+              "rope_scaling": None, "use_sliding_window": False, "sliding_window": None, "torch_dtype": "float32"}
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:  # safetensors refuses shared tensors; the tie is in config.json
+        state.pop("lm_head.weight")
+    from lora import write_atomic, write_json
+    write_atomic(os.path.join(folder, "model.safetensors"), lambda p: save_file(state, p, metadata={"format": "pt"}))
+    write_json(os.path.join(folder, "config.json"), config)
+    write_json(os.path.join(folder, "generation_config.json"), {"eos_token_id": cfg["eos_token_id"],
+                                                                 "bos_token_id": cfg["eos_token_id"]})
+    dest = os.path.join(folder, "tokenizer.json")
+    if tokenizer_path and os.path.abspath(tokenizer_path) != os.path.abspath(dest):
+        shutil.copy(tokenizer_path, dest)
+    return folder
 
 
 def num_parameters(model):

@@ -155,6 +155,7 @@ def main(argv=None):
         bar.set_postfix(loss=f"{loss.item():.4f}", kl=f"{state_kl:.4f}")
         if (step + 1) % args.save_every == 0 or step + 1 == end:
             run.save(model, optimizer, step + 1)
+    run.finish(end)
     print(f"done: adapter in {args.out}")
 
 

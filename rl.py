@@ -126,6 +126,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
         bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")
         if (step + 1) % args.save_every == 0 or step + 1 == end:
             run.save(model, optimizer, step + 1)
+    run.finish(end)
     print(f"done: adapter in {args.out}")
 
 

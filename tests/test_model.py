@@ -164,3 +164,20 @@ def test_token_kl_value_and_gradient(tiny_model, direction):
     same = ours.token_kl(h3, hs, direction)
     same.sum().backward()
     assert (same == 0).all() and (h3.grad == 0).all()  # exactly, not approximately
+
+
+def test_our_writer_round_trips_and_transformers_opens_it(tiny_model, tmp_path):
+    from transformers import Qwen3ForCausalLM
+    for name, tied in [("tied", True), ("untied", False)]:
+        config = M.Qwen3Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=1, head_dim=8, rms_norm_eps=1e-6,
+                               rope_theta=10000.0, tie_word_embeddings=tied, max_position_embeddings=512, eos_token_id=0)
+        ours = M.init_weights(M.Qwen3(config), seed=3).eval()
+        folder = M.save(ours, str(tmp_path / name), os.path.join(tiny_model, "tokenizer.json"))
+        again, tok = M.load(folder)
+        ids = torch.tensor([[5, 17, 42, 99, 7]])
+        with torch.no_grad():
+            assert torch.equal(again(ids), ours(ids))
+            ref = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+            assert (ref(input_ids=ids).logits - ours(ids)).abs().max() < 1e-4
+        assert tok.eos_id == 0

@@ -1,0 +1,220 @@
+"""
+Rollout-state drift: how far has training moved the distribution of states a model
+visits, measured against the base model (the paper's section 5 and prediction P4).
+
+For the base model and each run, one rollout per prompt on a fixed prompt set (default 200
+GSM8K test prompts, temperature 1.0). Sample i of every model draws from the same seed,
+so the models differ only where their distributions differ. Prefix states s_t = (x, y_<t)
+are taken every --stride tokens (and at the end of each rollout), embedded, and compared
+with the base states:
+
+  mmd2                unbiased MMD^2, RBF kernel; bandwidth fixed once from the *base* states
+                      (median heuristic) so every run is measured with the same ruler;
+                      permutation p-value
+  centroid            distance between the mean feature vectors
+  sliced_wasserstein  mean 1-D Wasserstein-1 distance over random projections
+  jaccard             mean Jaccard distance between the word sets of paired rollouts
+
+Features: --features lexical (hashed word unigrams and bigrams, L2-normalised, as in the
+paper) or --features hidden (the base model's mean-pooled last hidden state of each
+state, which sees meaning rather than surface words).
+
+    python drift.py out/mild out/stress --model Qwen/Qwen3-0.6B-Base
+"""
+import argparse
+import json
+import os
+import re
+import sys
+import zlib
+
+import torch
+from tqdm import tqdm
+
+import data
+import lora
+import model as M
+from sample import generate
+
+WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
+
+
+# -----------------------------------------------------------------------------
+# features
+
+def words(text):
+    return WORD.findall(text.lower())
+
+
+def lexical_features(texts, buckets=4096):
+    """Hashed word unigrams and bigrams, L2-normalised, (N, buckets). crc32 rather than
+    Python's hash(), which is randomised per process."""
+    X = torch.zeros(len(texts), buckets)
+    for i, text in enumerate(texts):
+        w = words(text)
+        for gram in w + [f"{a} {b}" for a, b in zip(w, w[1:])]:
+            X[i, zlib.crc32(gram.encode()) % buckets] += 1.0
+    return X / X.norm(dim=1, keepdim=True).clamp(min=1e-12)
+
+
+@torch.no_grad()
+def hidden_features(model, states, batch_size=16):
+    """Mean-pooled last hidden state of the base model (adapter off) for each state."""
+    out = []
+    device = model.lm_head.weight.device
+    with lora.use_adapter(model, None):
+        for i in range(0, len(states), batch_size):
+            ids, mask = M.left_pad(states[i:i + batch_size], 0, device)
+            h = model(ids, attention_mask=mask, hidden_only=True).float()
+            out.append(((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)).cpu())
+    return torch.cat(out)
+
+
+# -----------------------------------------------------------------------------
+# distances (pure tensor functions)
+
+def sq_dists(X, Y):
+    return (X.pow(2).sum(1)[:, None] + Y.pow(2).sum(1)[None, :] - 2 * X @ Y.T).clamp(min=0)
+
+
+def median_bandwidth(X, max_points=2000):
+    """Median heuristic: sigma = median pairwise distance among the (base) states."""
+    X = X[:max_points].double()
+    d = sq_dists(X, X)
+    off = d[~torch.eye(len(X), dtype=torch.bool)]
+    return off[off > 0].median().sqrt().item() if (off > 0).any() else 1.0
+
+
+def mmd2_from_kernel(K, is_x):
+    """Unbiased MMD^2 for each column of labels is_x (N, P): 1 marks the first sample.
+    K is the pooled kernel matrix (N, N) with ones on the diagonal (RBF)."""
+    s = is_x.to(K.dtype)
+    t = 1 - s
+    m, n = s.sum(0), t.sum(0)
+    Ks, Kt = K @ s, K @ t
+    xx = ((s * Ks).sum(0) - m) / (m * (m - 1))  # sum over i != j: drop the diagonal's m ones
+    yy = ((t * Kt).sum(0) - n) / (n * (n - 1))
+    xy = (s * Kt).sum(0) / (m * n)
+    return xx + yy - 2 * xy
+
+
+def mmd2_test(X, Y, bandwidth, permutations=200, seed=0):
+    """(unbiased MMD^2 with RBF kernel exp(-|x-y|^2 / (2 bandwidth^2)), permutation p-value)."""
+    Z = torch.cat([X, Y]).double()
+    K = torch.exp(-sq_dists(Z, Z) / (2 * bandwidth ** 2))
+    K.fill_diagonal_(1.0)
+    labels = torch.zeros(len(Z), 1 + permutations, dtype=torch.bool)
+    labels[:len(X), 0] = True
+    g = torch.Generator().manual_seed(seed)
+    for p in range(1, permutations + 1):
+        labels[torch.randperm(len(Z), generator=g)[:len(X)], p] = True
+    stats = mmd2_from_kernel(K, labels)
+    p_value = (1 + (stats[1:] >= stats[0]).sum().item()) / (1 + permutations)
+    return stats[0].item(), p_value
+
+
+def sliced_wasserstein(X, Y, projections=64, seed=0):
+    """Mean over random unit directions of the 1-D Wasserstein-1 distance between the
+    projected samples, compared at a common grid of quantiles (sizes may differ)."""
+    g = torch.Generator().manual_seed(seed)
+    D = torch.randn(X.shape[1], projections, generator=g, dtype=torch.float64)
+    D = D / D.norm(dim=0, keepdim=True)
+    q = torch.linspace(0, 1, max(len(X), len(Y)), dtype=torch.float64)
+    px = torch.quantile(X.double() @ D, q, dim=0)
+    py = torch.quantile(Y.double() @ D, q, dim=0)
+    return (px - py).abs().mean().item()
+
+
+def jaccard_distance(texts_a, texts_b):
+    """Mean over pairs (a_i, b_i) of 1 - |A and B| / |A or B| on word sets."""
+    out = []
+    for a, b in zip(texts_a, texts_b):
+        A, B = set(words(a)), set(words(b))
+        out.append(1 - len(A & B) / len(A | B) if A | B else 0.0)
+    return sum(out) / max(1, len(out))
+
+
+# -----------------------------------------------------------------------------
+# states
+
+def rollout_states(rollouts, stride):
+    """Token ids of every prefix state (x, y_<t), t = stride, 2*stride, ... and the end."""
+    states = []
+    for r in rollouts:
+        cuts = list(range(stride, len(r.completion_ids) + 1, stride))
+        if not cuts or cuts[-1] != len(r.completion_ids):
+            cuts.append(len(r.completion_ids))
+        states += [r.prompt_ids + r.completion_ids[:t] for t in cuts]
+    return states
+
+
+def collect(model, tok, prompts, args):
+    rollouts = generate(model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        stop=data.GSM8K_STOP, seed=args.seed, progress=True)
+    states = rollout_states(rollouts, args.stride)
+    return dict(states=states, texts=[r.text for r in rollouts])
+
+
+def featurize(model, tok, states, kind):
+    if kind == "lexical":
+        return lexical_features([tok.decode(s) for s in states])
+    return hidden_features(model, states)
+
+
+def add_drift_args(p):
+    p.add_argument("--prompts", type=int, default=200, help="first N GSM8K test questions as the fixed prompt set")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest rollout")
+    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
+    p.add_argument("--stride", type=int, default=16, help="take a prefix state every N generated tokens")
+    p.add_argument("--features", choices=["lexical", "hidden"], default="lexical", help="state embedding")
+    p.add_argument("--permutations", type=int, default=200, help="permutations for the MMD p-value")
+    p.add_argument("--projections", type=int, default=64, help="random directions of the sliced Wasserstein distance")
+    p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run folders to compare with the base model")
+    p.add_argument("--model", default=M.DEFAULT_MODEL, help="base model: hub id or local folder")
+    p.add_argument("--out", default="out", help="where the base rollouts are cached (drift_base.json)")
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+    add_drift_args(p)
+    args = p.parse_args(argv)
+    for run in args.runs:
+        if not os.path.isfile(os.path.join(run, "adapter_config.json")):
+            raise SystemExit(f"{run} is not a run folder (no adapter_config.json); name folders written by sft.py, rl.py or opd.py")
+    print(vars(args))
+    model, tok = M.load(args.model, args.device, args.dtype)
+    prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("test", args.data_dir)[:args.prompts]]
+    settings = {k: getattr(args, k) for k in ("model", "prompts", "max_new_tokens", "temperature", "stride", "seed")}
+
+    cache_path = os.path.join(args.out, "drift_base.json")
+    base = json.load(open(cache_path)) if os.path.isfile(cache_path) else None
+    if base is None or base["settings"] != settings:
+        lora.set_adapter(model, None)
+        model.eval()
+        base = dict(settings=settings, **collect(model, tok, prompts, args))
+        os.makedirs(args.out, exist_ok=True)
+        lora.write_json(cache_path, base)
+    X = featurize(model, tok, base["states"], args.features)
+    bandwidth = median_bandwidth(X)
+
+    for i, run in enumerate(tqdm(args.runs, desc="drift")):
+        lora.load_adapter(model, run, name=f"run{i}")
+        model.eval()
+        ours = collect(model, tok, prompts, args)
+        Y = featurize(model, tok, ours["states"], args.features)
+        mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed)
+        result = dict(mmd2=mmd2, p_value=p_value, bandwidth=bandwidth, features=args.features,
+                      centroid=(X.mean(0) - Y.mean(0)).norm().item(),
+                      sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
+                      jaccard=jaccard_distance(base["texts"], ours["texts"]),
+                      n_states_base=len(X), n_states_run=len(Y), settings=settings)
+        lora.write_json(os.path.join(run, "drift.json"), result)
+        print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,161 @@
+"""
+The whole study in one command: the base evaluation, mild and stress SFT, OPD from each
+SFT teacher, one-step logit-KL OPD, on-policy RL; evaluation and rollout-state drift of
+every run; then results.md / results.json in the paper's Table 2 layout with the paper's
+numbers beside ours.
+
+    python reproduce.py                    # preset smoke: offline, CPU, a few minutes
+    python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
+
+Every stage is skipped when its outputs exist, and an interrupted training run resumes from
+its last checkpoint, so a stopped study continues where it stopped. Per-stage wall time is
+printed and kept in timings.json.
+
+The smoke preset runs every stage on a tiny *random-weight* Qwen3 built on the spot (no
+download): it checks that the pipeline works end to end, and its numbers mean nothing.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+import data
+import drift
+import evaluate
+import lora
+import model as M
+import opd
+import rl
+import sft
+
+SCRIPTS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
+
+
+def runs_of(out):
+    """name -> (script, arguments): the six post-training conditions of the paper."""
+    return {
+        "mild": ("sft", ["--preset", "mild"]),
+        "stress": ("sft", ["--preset", "stress"]),
+        "opd-mild": ("opd", ["--teacher", os.path.join(out, "mild")]),
+        "opd-stress": ("opd", ["--teacher", os.path.join(out, "stress")]),
+        "opd-logits": ("opd", ["--teacher", os.path.join(out, "stress"), "--signal", "logits"]),
+        "rl": ("rl", []),
+    }
+
+
+PRESETS = {
+    "paper": dict(model=M.DEFAULT_MODEL, train={}, eval=[], drift=[]),
+    "smoke": dict(
+        model=None,  # built on the spot
+        train={"sft": ["--train-limit", "32", "--batch-size", "4", "--max-steps", "4"],
+               "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-steps", "2"],
+               "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16", "--continuation-tokens", "8", "--max-steps", "2"]},
+        eval=["--gsm8k-limit", "4", "--gsm8k-shots", "1", "--max-new-tokens", "16", "--mmlu-limit", "4",
+              "--mmlu-shots", "1", "--truthfulqa-limit", "4", "--batch-size", "4"],
+        drift=["--prompts", "4", "--max-new-tokens", "24", "--stride", "8", "--permutations", "20"]),
+}
+
+
+def build_smoke_model(folder, data_dir):
+    """A tiny random Qwen3 and a byte-level BPE tokenizer trained on GSM8K text."""
+    if os.path.isfile(os.path.join(folder, "model.safetensors")):
+        return folder
+    os.makedirs(folder, exist_ok=True)
+    rows = data.load_gsm8k("train", data_dir)[:2000]
+    tok_path = M.train_tokenizer([f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows],
+                                 os.path.join(folder, "tokenizer.json"), vocab_size=512)
+    config = M.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                           rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=0)
+    return M.save(M.init_weights(M.Qwen3(config), std=0.1), folder, tok_path)
+
+
+class Stages:
+    """Runs named stages once each, timing them into timings.json."""
+
+    def __init__(self, out):
+        self.path = os.path.join(out, "timings.json")
+        self.timings = json.load(open(self.path)) if os.path.isfile(self.path) else {}
+        self.ran = 0
+
+    def run(self, name, done, fn):
+        if done:
+            print(f"[done already] {name}")
+            return
+        print(f"[running] {name}")
+        t0 = time.time()
+        fn()
+        self.timings[name] = round(time.time() - t0, 1)
+        self.ran += 1
+        lora.write_json(self.path, self.timings)
+        print(f"[finished] {name} in {self.timings[name]:.1f}s")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="smoke", help="which study to run")
+    p.add_argument("--out", default=None, help="output root (default: out for paper, out/smoke for smoke)")
+    p.add_argument("--model", default=None, help="base model (default: the preset's)")
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+    args = p.parse_args(argv)
+    preset = PRESETS[args.preset]
+    out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
+    os.makedirs(out, exist_ok=True)
+    print(vars(args))
+    data_dir = data.resolve_data_dir(args.data_dir)
+    model = args.model or preset["model"] or build_smoke_model(os.path.join(out, "base-model"), data_dir)
+    common = ["--model", model, "--data-dir", data_dir]
+    device = [f for k in ("device", "dtype") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
+    stages = Stages(out)
+
+    stages.run("evaluate base", os.path.isfile(os.path.join(out, "eval.json")),
+               lambda: evaluate.main(["base", "--out", out, *common, *device, *preset["eval"]]))
+    for name, (script, extra) in runs_of(out).items():
+        folder = os.path.join(out, name)
+        resume = ["--resume"] if os.path.isdir(os.path.join(folder, "checkpoint")) else []
+        argv = [*extra, "--out", folder, *common, *device, *preset["train"].get(script, []), *resume]
+        stages.run(f"train {name}", lora.run_finished(folder), lambda: SCRIPTS[script](argv))
+        stages.run(f"evaluate {name}", os.path.isfile(os.path.join(folder, "eval.json")),
+                   lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
+    missing = [os.path.join(out, n) for n in runs_of(out) if not os.path.isfile(os.path.join(out, n, "drift.json"))]
+    stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
+
+    table = evaluate.write_table(out)
+    rows = evaluate.table_rows(evaluate.collect_runs(out))
+    lora.write_json(os.path.join(out, "results.json"), dict(preset=args.preset, model=model, rows=rows,
+                                                           paper=evaluate.PAPER, timings=stages.timings))
+    plot(out, rows)
+    print(table)
+    if stages.ran == 0:
+        print("every stage was already done; delete a run folder (or its eval.json / drift.json) to redo it")
+    print(f"results in {os.path.join(out, 'results.md')} and results.json")
+
+
+def plot(out, rows):
+    """results.png when matplotlib is installed (it is optional, never required)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    runs = [r for r in rows if r["run"] != "base" and r["gsm8k"] is not None and r["retention"] is not None]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in runs:
+        a.scatter(r["retention"], r["gsm8k"])
+        a.annotate(r["run"], (r["retention"], r["gsm8k"]))
+        if r["mmd"] is not None and r["forgetting"] is not None:
+            b.scatter(r["mmd"], r["forgetting"])
+            b.annotate(r["run"], (r["mmd"], r["forgetting"]))
+    a.set(xlabel="mean retention ratio", ylabel="GSM8K accuracy", title="target vs retention")
+    b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting", title="drift vs forgetting (P4)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "results.png"), dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

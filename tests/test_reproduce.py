@@ -1,0 +1,37 @@
+import json
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+
+RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "opd-logits", "rl"]
+
+
+def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
+    out = tmp_path / "study"
+    cmd = [sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--data-dir", data_dir, "--out", str(out)]
+    first = subprocess.run(cmd, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    for run in RUNS:
+        assert f"| {run} |" in table, run
+    results = json.loads((out / "results.json").read_text())
+    assert [r["run"] for r in results["rows"]] == RUNS
+    timings = json.loads((out / "timings.json").read_text())
+    assert {"evaluate base", "train stress", "evaluate rl", "drift"} <= set(timings)
+    for run in RUNS[1:]:
+        assert json.loads((out / run / "drift.json").read_text())["n_states_run"] > 0
+        assert "retention" in json.loads((out / run / "eval.json").read_text())
+    stamp = (out / "stress" / "adapter_model.safetensors").stat().st_mtime_ns
+
+    second = subprocess.run(cmd, capture_output=True, text=True)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "[running]" not in second.stdout and "every stage was already done" in second.stdout
+    assert (out / "stress" / "adapter_model.safetensors").stat().st_mtime_ns == stamp
+
+    os.remove(out / "rl" / "drift.json")
+    third = subprocess.run(cmd, capture_output=True, text=True)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == ["[running] drift"]
+    assert (out / "rl" / "drift.json").is_file()
