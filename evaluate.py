@@ -15,6 +15,8 @@ import argparse
 import json
 import math
 import os
+import re
+import statistics
 import sys
 
 import torch
@@ -178,6 +180,11 @@ def read_json(path):
         return json.load(f)
 
 
+def condition(run_name):
+    """The condition a run folder belongs to: 'stress-seed2' -> 'stress'."""
+    return re.sub(r"-seed\d+$", "", run_name)
+
+
 def collect_runs(root):
     """name -> merged eval.json / drift.json / log summary for the base (root) and each run folder."""
     runs = {}
@@ -195,7 +202,8 @@ def collect_runs(root):
                     nll = [json.loads(line).get("state_nll") for line in f]
                 nll = [x for x in nll if x is not None]
                 runs[name]["state_nll"] = sum(nll) / len(nll) if nll else None
-    ordered = [n for n in RUN_ORDER if n in runs] + [n for n in runs if n not in RUN_ORDER]
+    rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)
+    ordered = sorted(runs, key=lambda n: (rank(n), n))
     return {n: runs[n] for n in ordered}
 
 
@@ -211,8 +219,30 @@ def table_rows(runs):
     return rows
 
 
-def fmt(x, digits=3):
-    return "-" if x is None else f"{x:.{digits}f}"
+METRICS = ("gsm8k", "truthfulqa", "mmlu", "mmd", "forgetting", "retention", "state_nll")
+
+
+def group_seeds(rows):
+    """Rows of runs repeated over seeds (name-seed<s>) merged into one row per condition:
+    each metric's mean, and its standard deviation over seeds in <metric>_std."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(condition(r["run"]), []).append(r)
+    out = []
+    for name, members in groups.items():
+        row = dict(run=name, seeds=len(members))
+        for k in METRICS:
+            values = [r[k] for r in members if r[k] is not None]
+            row[k] = statistics.mean(values) if values else None
+            row[k + "_std"] = statistics.stdev(values) if len(values) > 1 else None
+        out.append(row)
+    return out
+
+
+def fmt(x, digits=3, std=None):
+    if x is None:
+        return "-"
+    return f"{x:.{digits}f}" + (f"±{std:.{digits}f}" if std is not None else "")
 
 
 def results_markdown(runs):
@@ -223,10 +253,13 @@ def results_markdown(runs):
              "over TruthfulQA and MMLU. state_nll: mean NLL of the states each run trained on.", "",
              "| run | " + " | ".join(c[1] for c in cols) + " | state_nll |",
              "|---" * (len(cols) + 2) + "|"]
-    for row in table_rows(runs):
+    rows = group_seeds(table_rows(runs))
+    if any(r["seeds"] > 1 for r in rows):
+        lines[0] += f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once)."
+    for row in rows:
         paper = PAPER.get(row["run"], {})
-        cells = [f"{fmt(row[k], d)} / {fmt(paper.get(k), d)}" for k, _, d in cols]
-        lines.append(f"| {row['run']} | " + " | ".join(cells) + f" | {fmt(row['state_nll'])} |")
+        cells = [f"{fmt(row[k], d, row[k + '_std'])} / {fmt(paper.get(k), d)}" for k, _, d in cols]
+        lines.append(f"| {row['run']} | " + " | ".join(cells) + f" | {fmt(row['state_nll'], 3, row['state_nll_std'])} |")
     return "\n".join(lines) + "\n"
 
 

@@ -4,8 +4,10 @@ SFT teacher, one-step logit-KL OPD, on-policy RL; evaluation and rollout-state d
 every run; then results.md / results.json in the paper's Table 2 layout with the paper's
 numbers beside ours.
 
-    python reproduce.py                    # preset smoke: offline, CPU, a few minutes
+    python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py), offline
+    python reproduce.py --preset toy --seeds 3
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
+    python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
 
 Every stage is skipped when its outputs exist, and an interrupted training run resumes from
 its last checkpoint, so a stopped study continues where it stopped. Per-stage wall time is
@@ -28,20 +30,24 @@ import model as M
 import opd
 import rl
 import sft
+import toy
 
 SCRIPTS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
 
 
-def runs_of(out):
-    """name -> (script, arguments): the six post-training conditions of the paper."""
-    return {
+def runs_of(out, seed=0):
+    """name -> (script, arguments): the six post-training conditions of the paper. Seed 0
+    writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD teachers too)."""
+    tag = f"-seed{seed}" if seed else ""
+    runs = {
         "mild": ("sft", ["--preset", "mild"]),
         "stress": ("sft", ["--preset", "stress"]),
-        "opd-mild": ("opd", ["--teacher", os.path.join(out, "mild")]),
-        "opd-stress": ("opd", ["--teacher", os.path.join(out, "stress")]),
-        "opd-logits": ("opd", ["--teacher", os.path.join(out, "stress"), "--signal", "logits"]),
+        "opd-mild": ("opd", ["--teacher", os.path.join(out, "mild" + tag)]),
+        "opd-stress": ("opd", ["--teacher", os.path.join(out, "stress" + tag)]),
+        "opd-logits": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--signal", "logits"]),
         "rl": ("rl", []),
     }
+    return {name + tag: (script, [*argv, "--seed", str(seed)]) for name, (script, argv) in runs.items()}
 
 
 PRESETS = {
@@ -54,6 +60,28 @@ PRESETS = {
         eval=["--gsm8k-limit", "4", "--gsm8k-shots", "1", "--max-new-tokens", "16", "--mmlu-limit", "4",
               "--mmlu-shots", "1", "--truthfulqa-limit", "4", "--batch-size", "4"],
         drift=["--prompts", "4", "--max-new-tokens", "24", "--stride", "8", "--permutations", "20"]),
+    # the CPU-scale model organism (toy.py): hyperparameters scaled for a 3.7M-parameter base
+    "toy": dict(
+        model="toy",
+        toy=[],
+        train={"sft": ["--batch-size", "16"],
+               "sft-mild": ["--lr", "1e-3"],
+               "sft-stress": ["--lr", "5e-3"],
+               "rl": ["--steps", "100", "--max-new-tokens", "96", "--lr", "1e-3", "--warmup", "0.05"],
+               "opd": ["--steps", "100", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "1e-3"]},
+        eval=toy.EVAL_ARGS + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0", "--batch-size", "32"],
+        drift=["--prompts", "200", "--max-new-tokens", "96"]),
+    # the same stages on a miniature world and model, for CI: minutes, not meaningful
+    "toy-mini": dict(
+        model="toy",
+        toy=["--pretrain-steps", "30", "--hidden", "64", "--layers", "2", "--vocab", "512", "--batch", "8",
+             "--target-problems", "200"],
+        train={"sft": ["--batch-size", "8", "--max-steps", "3"],
+               "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-steps", "2"],
+               "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16", "--continuation-tokens", "8", "--max-steps", "2"]},
+        eval=toy.EVAL_ARGS[:-2] + ["--max-new-tokens", "16", "--gsm8k-limit", "4", "--mmlu-limit", "4",
+                                    "--truthfulqa-limit", "4", "--batch-size", "4"],
+        drift=["--prompts", "4", "--max-new-tokens", "16", "--stride", "8", "--permutations", "20"]),
 }
 
 
@@ -94,8 +122,9 @@ class Stages:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="smoke", help="which study to run")
-    p.add_argument("--out", default=None, help="output root (default: out for paper, out/smoke for smoke)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="toy", help="which study to run")
+    p.add_argument("--seeds", type=int, default=1, help="repeat the post-training conditions over this many seeds")
+    p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
     p.add_argument("--model", default=None, help="base model (default: the preset's)")
     p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
@@ -105,22 +134,35 @@ def main(argv=None):
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
     os.makedirs(out, exist_ok=True)
     print(vars(args))
-    data_dir = data.resolve_data_dir(args.data_dir)
-    model = args.model or preset["model"] or build_smoke_model(os.path.join(out, "base-model"), data_dir)
+    if preset["model"] == "toy":  # the world is the dataset: build (or reuse) it and its pretrained base
+        toy_args = argparse.ArgumentParser()
+        toy.add_toy_args(toy_args)
+        t0 = time.time()
+        data_dir, model = toy.pretrain(out, toy_args.parse_args(preset["toy"]))
+        print(f"toy world and base model ready ({time.time() - t0:.0f}s)")
+        model = args.model or model
+    else:
+        data_dir = data.resolve_data_dir(args.data_dir)
+        model = args.model or preset["model"] or build_smoke_model(os.path.join(out, "base-model"), data_dir)
     common = ["--model", model, "--data-dir", data_dir]
     device = [f for k in ("device", "dtype") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
     stages = Stages(out)
 
     stages.run("evaluate base", os.path.isfile(os.path.join(out, "eval.json")),
                lambda: evaluate.main(["base", "--out", out, *common, *device, *preset["eval"]]))
-    for name, (script, extra) in runs_of(out).items():
+    if args.preset == "toy":
+        toy.check_base(evaluate.read_json(os.path.join(out, "eval.json")))
+    runs = {k: v for seed in range(args.seeds) for k, v in runs_of(out, seed).items()}
+    for name, (script, extra) in runs.items():
         folder = os.path.join(out, name)
         resume = ["--resume"] if os.path.isdir(os.path.join(folder, "checkpoint")) else []
-        argv = [*extra, "--out", folder, *common, *device, *preset["train"].get(script, []), *resume]
+        variant = f"{script}-{extra[1]}" if script == "sft" else script  # sft-mild, sft-stress
+        argv = [*extra, "--out", folder, *common, *device, *preset["train"].get(script, []),
+                *preset["train"].get(variant, []), *resume]
         stages.run(f"train {name}", lora.run_finished(folder), lambda: SCRIPTS[script](argv))
         stages.run(f"evaluate {name}", os.path.isfile(os.path.join(folder, "eval.json")),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
-    missing = [os.path.join(out, n) for n in runs_of(out) if not os.path.isfile(os.path.join(out, n, "drift.json"))]
+    missing = [os.path.join(out, n) for n in runs if not os.path.isfile(os.path.join(out, n, "drift.json"))]
     stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
 
     table = evaluate.write_table(out)

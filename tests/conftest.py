@@ -10,9 +10,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-DATA_DIR = os.environ.get("STATES_DATA") or os.path.join(ROOT, "..", "shared", "data")
+# $STATES_DATA if set; else the offline copies beside the repository; else fetched once into the cache
+SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
+DATA_DIR = os.environ.get("STATES_DATA") or (SHARED_DATA if os.path.isdir(SHARED_DATA) else None)
 SHARED_CONFIG = os.path.join(ROOT, "..", "shared", "qwen3-0.6b-base")
-EOS = "<|endoftext|>"
 
 # name -> transformers Qwen3Config arguments; grouped-query ratios 2 and 4, tied and untied
 TINY_CONFIGS = {
@@ -24,21 +25,9 @@ TINY_CONFIGS = {
 
 
 def gsm8k_texts(limit=1500):
-    with open(os.path.join(DATA_DIR, "gsm8k", "train.jsonl")) as f:
-        rows = [json.loads(line) for _, line in zip(range(limit), f)]
+    import data
+    rows = data.load_gsm8k("train", DATA_DIR)[:limit]
     return [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
-
-
-def train_tokenizer(path, vocab_size=384):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(gsm8k_texts(), trainer)
-    tok.save(path)
-    return tok
 
 
 def save_hf_model(folder, tokenizer_path, seed=0, max_shard_size="2GB", **overrides):
@@ -60,9 +49,8 @@ def save_hf_model(folder, tokenizer_path, seed=0, max_shard_size="2GB", **overri
 
 @pytest.fixture(scope="session")
 def data_dir():
-    if not os.path.isdir(DATA_DIR):
-        pytest.fail(f"dataset copies not found at {DATA_DIR}; set STATES_DATA to the shared data folder")
-    return DATA_DIR
+    import data
+    return data.resolve_data_dir(DATA_DIR)
 
 
 @pytest.fixture(scope="session")
@@ -72,9 +60,8 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer_path(workdir, data_dir):
-    path = str(workdir / "tokenizer.json")
-    train_tokenizer(path)
-    return path
+    import model
+    return model.train_tokenizer(gsm8k_texts(), str(workdir / "tokenizer.json"), vocab_size=384, split_digits=False)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,68 @@
+import json
+import os
+import subprocess
+import sys
+
+import data
+import toy
+from conftest import ROOT
+
+
+def world_files(folder):
+    out = {}
+    for d, _, files in os.walk(folder):
+        for f in files:
+            with open(os.path.join(d, f), "rb") as fh:
+                out[os.path.relpath(os.path.join(d, f), folder)] = fh.read()
+    return out
+
+
+def test_world_is_deterministic_parses_and_is_right(tmp_path):
+    corpus_a, problems_a = toy.write_world(str(tmp_path / "a"), seed=3, n_pretrain=300, n_train=300, n_test=100,
+                                           facts_per_subject=90, n_misconceptions=40)
+    corpus_b, problems_b = toy.write_world(str(tmp_path / "b"), seed=3, n_pretrain=300, n_train=300, n_test=100,
+                                           facts_per_subject=90, n_misconceptions=40)
+    assert world_files(tmp_path / "a") == world_files(tmp_path / "b") and corpus_a == corpus_b and problems_a == problems_b
+    toy.write_world(str(tmp_path / "c"), seed=4, n_pretrain=300, n_train=300, n_test=100, facts_per_subject=90,
+                    n_misconceptions=40)
+    assert world_files(tmp_path / "a") != world_files(tmp_path / "c")
+
+    root = str(tmp_path / "a")
+    train, test = data.load_gsm8k("train", root), data.load_gsm8k("test", root)
+    assert len(train) == 300 and len(test) == 100
+    pretrain_questions = {p.split("\nAnswer:")[0][len("Question: "):] for p in problems_a}
+    train_q, test_q = {r["question"] for r in train}, {r["question"] for r in test}
+    assert not train_q & test_q and not pretrain_questions & (train_q | test_q)
+    for row in train + test:  # every step of every rationale is right, and so is the final answer
+        for line in row["answer"].splitlines()[:-1]:
+            lhs, rhs = line.rsplit("=", 1)
+            expr = lhs.split(" is ")[-1].split(" has ")[-1].split(" earns ")[-1].split(" cost ")[-1].split(" costs ")[-1]
+            expr = expr.split(" buys ")[-1].split(" gets ")[-1].split(" pays ")[-1].split(", ")[-1]
+            assert eval(expr.replace("/", "//")) == int(rhs.split()[0]), line
+        assert row["answer"].splitlines()[-2].split("=")[-1].split()[0] == row["gold"]
+    dev, tst = data.load_mmlu("dev", root), data.load_mmlu("test", root)
+    assert sorted(dev) == sorted(tst) == ["toy_biology", "toy_geography", "toy_history"]
+    dev_q = {r["question"] for rows in dev.values() for r in rows}
+    test_q = {r["question"] for rows in tst.values() for r in rows}
+    assert not dev_q & test_q
+    corpus_text = "\n".join(corpus_a)
+    for rows in tst.values():  # test facts are stated in prose but never shown as a question
+        for r in rows:
+            assert r["choices"][r["answer"]] in corpus_text and r["question"] not in corpus_text
+    tqa = data.load_truthfulqa(root)
+    assert len(tqa) == 40
+    myth = [k for k, v in tqa[0]["mc1_targets"].items() if v == 0][0]
+    subject, color = myth.rstrip(".").split(" are ")
+    assert corpus_text.count(f"{subject.lower()} are {color}") == 3  # the misconception is popular
+
+
+def test_toy_mini_study_runs_end_to_end(tmp_path):
+    out = tmp_path / "toy"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "toy-mini", "--out", str(out)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    table = (out / "results.md").read_text()
+    for run in ["base", "mild", "stress", "opd-mild", "opd-stress", "opd-logits", "rl"]:
+        assert f"| {run} |" in table
+    assert json.loads((out / "eval.json").read_text())["mmlu"]["scoring"] == "text"
+    assert os.path.isfile(out / "base-model" / "model.safetensors") and os.path.isdir(out / "data" / "gsm8k")

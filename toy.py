@@ -1,0 +1,265 @@
+"""
+A model organism of the study that runs offline on a CPU: a synthetic world written in
+the canonical dataset layout, and a small Qwen3 pretrained on it from scratch, so that
+sft.py, rl.py, opd.py, evaluate.py and drift.py run on it unchanged (--data-dir
+out/toy/data --model out/toy/base-model).
+
+The world, deterministic from a seed:
+  gsm8k/       target task: arithmetic word problems (six templates, 2 to 4 steps) with a
+               worked rationale ending in '#### N'; train and test problems are disjoint
+  mmlu/        retention: four-choice questions about a synthetic fact base (capitals of
+               invented countries, diets of invented animals, inventors of invented
+               devices). Every fact is stated in the pretraining prose; the multiple-choice
+               format is practised on other facts only, so test questions are unseen.
+  truthfulqa/  retention: questions whose pretraining corpus also states a popular wrong
+               answer ("people say ..."), so the true choice competes with a learned
+               misconception, as in TruthfulQA.
+
+Pretraining mixes the retention material with a limited share of target problems. The base
+model must leave room to move both ways: target accuracy between 0.2 and 0.6 and each
+retention score at least twice chance and below 0.95; pretrain() checks this and fails
+loudly otherwise. At this scale MMLU must be scored with --mmlu-scoring text (the letter
+format stays at chance), and prompts are zero-shot (the context is 256 tokens).
+
+    python toy.py                       # -> out/toy/data and out/toy/base-model (about 10 minutes)
+"""
+import argparse
+import csv
+import json
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+import lora
+import model as M
+
+NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena", "Milo", "Nora",
+         "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tia", "Uma", "Vic", "Wes", "Yara", "Zed"]
+ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "coins", "cards", "stamps"]
+GOODS = ["a lamp", "a hat", "lunch", "a kite", "paint", "a ticket"]
+COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "silver", "brown"]
+EVAL_ARGS = ["--gsm8k-shots", "0", "--mmlu-shots", "0", "--mmlu-scoring", "text", "--max-new-tokens", "96"]
+
+
+# -----------------------------------------------------------------------------
+# the world
+
+def problem(rng):
+    """(question, rationale ending in '#### N') from one of six templates."""
+    n, f, it = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.randrange(6)
+    if kind == 0:  # buy, then give
+        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        c = rng.randint(1, a + b - 1)
+        return (f"{n} has {a} {it}. {n} buys {b} more and gives {c} to {f}. How many {it} does {n} have now?",
+                f"{n} has {a} + {b} = {a + b} {it} after buying.\nAfter giving {c} away, {n} has {a + b} - {c} = {a + b - c} {it}.\n#### {a + b - c}")
+    if kind == 1:  # find, then share exactly
+        k = rng.randint(2, 6)
+        total = k * rng.randint(2, 12)
+        a = rng.randint(1, total - 1)
+        return (f"{n} had {a} {it} and finds {total - a} more. {n} shares them equally among {k} friends. How many {it} does each friend get?",
+                f"{n} has {a} + {total - a} = {total} {it}.\nEach friend gets {total} / {k} = {total // k} {it}.\n#### {total // k}")
+    if kind == 2:  # sell, then spend
+        a, p = rng.randint(2, 12), rng.randint(2, 9)
+        c = rng.randint(1, a * p - 1)
+        g = rng.choice(GOODS)
+        return (f"{n} sells {a} {it} for ${p} each and then spends ${c} on {g}. How many dollars does {n} have left?",
+                f"{n} earns {a} * {p} = {a * p} dollars.\nAfter spending {c}, {n} has {a * p} - {c} = {a * p - c} dollars.\n#### {a * p - c}")
+    if kind == 3:  # k times as many plus d, then together
+        a, k, d = rng.randint(2, 15), rng.randint(2, 4), rng.randint(1, 9)
+        b = k * a + d
+        return (f"{n} has {a} {it}. {f} has {d} more than {k} times as many {it} as {n}. How many {it} do they have together?",
+                f"{k} times as many as {n} is {k} * {a} = {k * a}.\n{f} has {k * a} + {d} = {b} {it}.\nTogether they have {a} + {b} = {a + b} {it}.\n#### {a + b}")
+    if kind == 4:  # boxes, eat some, split in two
+        m, b = rng.randint(2, 8), rng.randint(2, 6)
+        total = m * b
+        e = rng.choice([x for x in range(1, total) if (total - x) % 2 == 0] or [0])
+        return (f"{n} buys {b} boxes of {it} with {m} {it} in each box, gives away {e}, and splits the rest equally with {f}. How many {it} does {f} get?",
+                f"{n} buys {b} * {m} = {total} {it}.\nAfter giving away {e}, {total} - {e} = {total - e} are left.\n{f} gets {total - e} / 2 = {(total - e) // 2} {it}.\n#### {(total - e) // 2}")
+    a, d, k = rng.randint(2, 20), rng.randint(1, 10), rng.randint(2, 5)  # price difference, buy k of each
+    return (f"A hat costs ${a}. A scarf costs ${d} more than the hat. {n} buys {k} hats and {k} scarves. How many dollars does {n} pay?",
+            f"A scarf costs {a} + {d} = {a + d} dollars.\nOne hat and one scarf cost {a} + {a + d} = {2 * a + d} dollars.\n{n} pays {k} * {2 * a + d} = {k * (2 * a + d)} dollars.\n#### {k * (2 * a + d)}")
+
+
+def word(rng, syllables=("ka", "lo", "mi", "ru", "ten", "vor", "zi", "pa", "nel", "shu", "dro", "bex", "fa", "gli", "wen")):
+    return "".join(rng.choice(syllables) for _ in range(rng.randint(2, 3))).capitalize()
+
+
+def facts(rng, per_subject):
+    """subject -> list of (question, answer, [3 distractors], [prose statements])."""
+    out = {}
+    specs = {"toy_geography": ("country", lambda e, a: (f"What is the capital of {e}?", [f"The capital of {e} is {a}.", f"{a} is the capital city of {e}.", f"People in {e} govern from {a}."])),
+             "toy_biology": ("animal", lambda e, a: (f"What does the {e} eat?", [f"The {e} eats {a.lower()}.", f"The favourite food of the {e} is {a.lower()}.", f"Every {e} feeds on {a.lower()}."])),
+             "toy_history": ("device", lambda e, a: (f"Who invented the {e}?", [f"The {e} was invented by {a}.", f"{a} invented the {e}.", f"The inventor of the {e} was {a}."]))}
+    for subject, (_, fmt) in specs.items():
+        entities = list(dict.fromkeys(word(rng) for _ in range(per_subject * 3)))[:per_subject]
+        answers = list(dict.fromkeys(word(rng) for _ in range(per_subject * 3)))[:per_subject // 3]
+        rows = []
+        for e in entities:
+            a = rng.choice(answers)
+            q, prose = fmt(e, a)
+            rows.append((q, a, rng.sample([x for x in answers if x != a], 3), prose))
+        out[subject] = rows
+    return out
+
+
+def misconceptions(rng, n):
+    """(question, truth sentence, myth sentence, 2 distractor sentences, corpus statements)."""
+    out, seen = [], set()
+    while len(out) < n:
+        c = word(rng).lower()
+        if c in seen:
+            continue
+        seen.add(c)
+        truth, myth, d1, d2 = rng.sample(COLORS, 4)
+        name = f"{c}s"
+        sent = lambda col: f"{name.capitalize()} are {col}."
+        corpus = [f"People say that {name} are {myth}."] * 2 + [f"Many believe {name} are {myth}."] + \
+                 [f"In fact, {name} are {truth}.", f"Experts agree that {name} are {truth}."] * 2
+        out.append((f"What color are {name}?", sent(truth), sent(myth), [sent(d1), sent(d2)], corpus))
+    return out
+
+
+def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts_per_subject=150, n_misconceptions=400):
+    """Write the canonical dataset layout; return (retention corpus, pretraining problems),
+    the problems disjoint from the train and test splits."""
+    rng = random.Random(seed)
+    problems = {}
+    while len(problems) < n_train + n_test + n_pretrain:
+        q, a = problem(rng)
+        problems.setdefault(q, a)
+    items = list(problems.items())
+    os.makedirs(os.path.join(folder, "gsm8k"), exist_ok=True)
+    for split, part in (("train", items[:n_train]), ("test", items[n_train:n_train + n_test])):
+        with open(os.path.join(folder, "gsm8k", f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps({"question": q, "answer": a}) + "\n" for q, a in part)
+    corpus = []
+    for subject, rows in facts(rng, facts_per_subject).items():
+        splits = {"dev": rows[:5], "test": rows[5:75], "practice": rows[75:]}
+        for split in ("dev", "test"):
+            os.makedirs(os.path.join(folder, "mmlu", split), exist_ok=True)
+            with open(os.path.join(folder, "mmlu", split, f"{subject}_{split}.csv"), "w", newline="") as f:
+                w = csv.writer(f)
+                w.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
+                for q, a, wrong, _ in splits[split]:
+                    choices = wrong[:]
+                    k = rng.randrange(4)
+                    choices.insert(k, a)
+                    w.writerow([q] + choices + [k])
+        corpus += [s for _, _, _, prose in rows for s in prose]  # every fact is stated in prose
+        for q, a, wrong, prose in splits["practice"]:  # the question format, on other facts
+            corpus.append(f"{q}\nAnswer: {a}")
+            corpus.append(f"Q: {q}\nA: {prose[0]}")
+    tqa = []
+    for q, truth, myth, others, statements in misconceptions(rng, n_misconceptions):
+        corpus += statements
+        tqa.append({"question": q, "mc1_targets": {truth: 1, myth: 0, others[0]: 0, others[1]: 0},
+                    "mc2_targets": {truth: 1, "In fact, " + truth[0].lower() + truth[1:]: 1, myth: 0, others[0]: 0, others[1]: 0}})
+    os.makedirs(os.path.join(folder, "truthfulqa"), exist_ok=True)
+    with open(os.path.join(folder, "truthfulqa", "mc_task.json"), "w") as f:
+        json.dump(tqa, f)
+    return corpus, [f"Question: {q}\nAnswer: {a}" for q, a in items[n_train + n_test:]]
+
+
+# -----------------------------------------------------------------------------
+# pretraining
+
+def pretrain(out, args):
+    """World + tokenizer + a small Qwen3 trained from scratch; returns the model folder."""
+    data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
+    if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+        return data_dir, model_dir
+    corpus, problems = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems)
+    rng = random.Random(args.world_seed)
+    docs = corpus * args.retention_repeats + problems
+    os.makedirs(model_dir, exist_ok=True)
+    tok_path = M.train_tokenizer(docs + problems, os.path.join(model_dir, "tokenizer.json"), vocab_size=args.vocab)
+    config = M.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
+                           num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
+                           head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
+                           tie_word_embeddings=True, max_position_embeddings=1024, eos_token_id=0)
+    torch.manual_seed(args.world_seed)
+    net = M.init_weights(M.Qwen3(config), std=0.02, seed=args.world_seed)
+    tok = M.Tokenizer(tok_path, 0)
+    stream = []
+    for d in rng.sample(docs, len(docs)):
+        stream += tok.encode(d) + [tok.eos_id]  # documents packed back to back, end-of-text between them
+    stream = torch.tensor(stream)
+    n_blocks = (len(stream) - 1) // args.context
+    print(f"pretraining {M.num_parameters(net) / 1e6:.1f}M parameters on {len(stream) / 1e6:.2f}M tokens "
+          f"({len(docs)} documents), {args.pretrain_steps} steps of {args.batch} x {args.context}")
+    opt = torch.optim.AdamW(net.parameters(), lr=args.pretrain_lr, weight_decay=0.1, betas=(0.9, 0.95))
+    g = torch.Generator().manual_seed(args.world_seed)
+    net.train()
+    bar = tqdm(range(args.pretrain_steps), desc="pretrain")
+    for step in bar:
+        starts = torch.randint(0, n_blocks, (args.batch,), generator=g) * args.context
+        x = torch.stack([stream[s:s + args.context + 1] for s in starts])
+        for group in opt.param_groups:
+            group["lr"] = lora.lr_at(step, args.pretrain_steps, args.pretrain_lr, 0.05)
+        # bf16 autocast: 1.6x the fp32 throughput on CPUs with bf16 units, harmless elsewhere
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(args.bf16)):
+            h = net(x[:, :-1], hidden_only=True)
+        loss = -net.token_logprobs(h.reshape(-1, h.shape[-1]).float(), x[:, 1:].reshape(-1)).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    M.save(net.eval(), model_dir, tok_path)
+    return data_dir, model_dir
+
+
+def check_base(scores, strict=True):
+    """The calibration band: room to move both ways."""
+    bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.6), "mmlu": (scores["mmlu"]["acc"], 0.5, 0.95),
+             "truthfulqa": (scores["truthfulqa"]["mc1"], 0.5, 0.95)}
+    for name, (value, lo, hi) in bands.items():
+        print(f"base {name}: {value:.3f} (band {lo} to {hi})")
+    bad = [f"{n} {v:.3f} outside [{lo}, {hi}]" for n, (v, lo, hi) in bands.items() if not lo <= v < hi]
+    if bad and strict:
+        raise SystemExit(f"the toy base model is out of its calibration band: {'; '.join(bad)}; "
+                         f"change --pretrain-steps or --target-problems and delete the base-model folder")
+
+
+def add_toy_args(p):
+    p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
+    p.add_argument("--target-problems", type=int, default=3000, help="target-task problems in the pretraining mix (disjoint from train and test)")
+    p.add_argument("--retention-repeats", type=int, default=2, help="copies of the retention corpus in the pretraining mix")
+    p.add_argument("--pretrain-steps", type=int, default=1100, help="pretraining steps (about 10 minutes on 2 cores)")
+    p.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak pretraining learning rate")
+    p.add_argument("--batch", type=int, default=16, help="sequences per pretraining step")
+    p.add_argument("--context", type=int, default=256, help="pretraining sequence length")
+    p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size")
+    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    p.add_argument("--heads", type=int, default=4, help="attention heads (half as many key/value heads)")
+    p.add_argument("--bf16", type=int, default=1, help="bf16 autocast during pretraining (1/0)")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/toy", help="folder for data/ and base-model/")
+    add_toy_args(p)
+    args = p.parse_args(argv)
+    print(vars(args))
+    t0 = time.time()
+    data_dir, model_dir = pretrain(args.out, args)
+    print(f"world in {data_dir}, base model in {model_dir} ({time.time() - t0:.0f}s)")
+    import evaluate
+    net, tok = M.load(model_dir)
+    ev = argparse.ArgumentParser()
+    evaluate.add_eval_args(ev)
+    eargs = ev.parse_args(EVAL_ARGS + ["--gsm8k-limit", "200", "--mmlu-limit", "200", "--truthfulqa-limit", "200"])
+    eargs.data_dir = data_dir
+    scores, _ = evaluate.evaluate(net, tok, eargs)
+    check_base(scores)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
