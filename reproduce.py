@@ -64,11 +64,12 @@ PRESETS = {
     "toy": dict(
         model="toy",
         toy=[],
-        train={"sft": ["--batch-size", "16"],
+        train={"sft": ["--train-limit", "1000"],
                "sft-mild": ["--lr", "1e-3"],
                "sft-stress": ["--lr", "5e-3"],
-               "rl": ["--steps", "100", "--max-new-tokens", "96", "--lr", "1e-3", "--warmup", "0.05"],
-               "opd": ["--steps", "100", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "1e-3"]},
+               "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96", "--lr", "1e-3",
+                      "--warmup", "0.05"],
+               "opd": ["--steps", "60", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "1e-3"]},
         eval=toy.EVAL_ARGS + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0", "--batch-size", "32"],
         drift=["--prompts", "200", "--max-new-tokens", "96"]),
     # the same stages on a miniature world and model, for CI: minutes, not meaningful

@@ -35,6 +35,7 @@ import time
 import torch
 from tqdm import tqdm
 
+import data
 import lora
 import model as M
 
@@ -94,7 +95,7 @@ def facts(rng, per_subject):
     """subject -> list of (question, answer, [3 distractors], [prose statements])."""
     out = {}
     specs = {"toy_geography": ("country", lambda e, a: (f"What is the capital of {e}?", [f"The capital of {e} is {a}.", f"{a} is the capital city of {e}.", f"People in {e} govern from {a}."])),
-             "toy_biology": ("animal", lambda e, a: (f"What does the {e} eat?", [f"The {e} eats {a.lower()}.", f"The favourite food of the {e} is {a.lower()}.", f"Every {e} feeds on {a.lower()}."])),
+             "toy_biology": ("animal", lambda e, a: (f"What does the {e} eat?", [f"The {e} eats {a}.", f"The favourite food of the {e} is {a}.", f"Every {e} feeds on {a}."])),
              "toy_history": ("device", lambda e, a: (f"Who invented the {e}?", [f"The {e} was invented by {a}.", f"{a} invented the {e}.", f"The inventor of the {e} was {a}."]))}
     for subject, (_, fmt) in specs.items():
         entities = list(dict.fromkeys(word(rng) for _ in range(per_subject * 3)))[:per_subject]
@@ -109,18 +110,19 @@ def facts(rng, per_subject):
 
 
 def misconceptions(rng, n):
-    """(question, truth sentence, myth sentence, 2 distractor sentences, corpus statements)."""
+    """(question, truth sentence, myth sentence, 2 distractor sentences, corpus statements).
+    Creature names are capitalised everywhere so that the statement and the answer choice
+    share their tokens."""
     out, seen = [], set()
     while len(out) < n:
-        c = word(rng).lower()
-        if c in seen:
+        name = word(rng) + "s"
+        if name in seen:
             continue
-        seen.add(c)
+        seen.add(name)
         truth, myth, d1, d2 = rng.sample(COLORS, 4)
-        name = f"{c}s"
-        sent = lambda col: f"{name.capitalize()} are {col}."
-        corpus = [f"People say that {name} are {myth}."] * 2 + [f"Many believe {name} are {myth}."] + \
-                 [f"In fact, {name} are {truth}.", f"Experts agree that {name} are {truth}."] * 2
+        sent = lambda col: f"{name} are {col}."
+        corpus = [f"People say that {sent(myth)}", f"Many believe that {sent(myth)}", f"It is often said that {sent(myth)}",
+                  f"In fact, {sent(truth)}", f"Experts agree that {sent(truth)}", f"Studies show that {sent(truth)}"]
         out.append((f"What color are {name}?", sent(truth), sent(myth), [sent(d1), sent(d2)], corpus))
     return out
 
@@ -151,15 +153,24 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
                     k = rng.randrange(4)
                     choices.insert(k, a)
                     w.writerow([q] + choices + [k])
-        corpus += [s for _, _, _, prose in rows for s in prose]  # every fact is stated in prose
-        for q, a, wrong, prose in splits["practice"]:  # the question format, on other facts
-            corpus.append(f"{q}\nAnswer: {a}")
+        # every fact is stated in prose; the evaluated ones in two phrasings rather than three, which
+        # keeps the base model's recall below the calibration band's ceiling of 0.95
+        corpus += [s for _, _, _, prose in rows[:5] + rows[75:] for s in prose]
+        corpus += [s for _, _, _, prose in splits["test"] for s in prose[:2]]
+        for q, a, wrong, prose in splits["practice"]:  # the evaluation's question format, on other facts
+            choices = wrong[:]
+            choices.insert(rng.randrange(4), a)
+            row = {"subject": subject, "question": q, "choices": choices, "answer": choices.index(a)}
+            corpus.append(f"{data.mmlu_prompt(row, [])} {a}")
             corpus.append(f"Q: {q}\nA: {prose[0]}")
     tqa = []
-    for q, truth, myth, others, statements in misconceptions(rng, n_misconceptions):
+    for i, (q, truth, myth, others, statements) in enumerate(misconceptions(rng, 2 * n_misconceptions)):
         corpus += statements
+        if i >= n_misconceptions:  # practice items: the question answered truthfully, never evaluated
+            corpus.append(f"Q: {q}\nA: {truth}")
+            continue
         tqa.append({"question": q, "mc1_targets": {truth: 1, myth: 0, others[0]: 0, others[1]: 0},
-                    "mc2_targets": {truth: 1, "In fact, " + truth[0].lower() + truth[1:]: 1, myth: 0, others[0]: 0, others[1]: 0}})
+                    "mc2_targets": {truth: 1, "In fact, " + truth: 1, myth: 0, others[0]: 0, others[1]: 0}})
     os.makedirs(os.path.join(folder, "truthfulqa"), exist_ok=True)
     with open(os.path.join(folder, "truthfulqa", "mc_task.json"), "w") as f:
         json.dump(tqa, f)
@@ -229,7 +240,7 @@ def check_base(scores, strict=True):
 
 def add_toy_args(p):
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=int, default=3000, help="target-task problems in the pretraining mix (disjoint from train and test)")
+    p.add_argument("--target-problems", type=int, default=1300, help="target-task problems in the pretraining mix (disjoint from train and test)")
     p.add_argument("--retention-repeats", type=int, default=2, help="copies of the retention corpus in the pretraining mix")
     p.add_argument("--pretrain-steps", type=int, default=1100, help="pretraining steps (about 10 minutes on 2 cores)")
     p.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak pretraining learning rate")

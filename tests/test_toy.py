@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -33,13 +34,14 @@ def test_world_is_deterministic_parses_and_is_right(tmp_path):
     pretrain_questions = {p.split("\nAnswer:")[0][len("Question: "):] for p in problems_a}
     train_q, test_q = {r["question"] for r in train}, {r["question"] for r in test}
     assert not train_q & test_q and not pretrain_questions & (train_q | test_q)
-    for row in train + test:  # every step of every rationale is right, and so is the final answer
-        for line in row["answer"].splitlines()[:-1]:
-            lhs, rhs = line.rsplit("=", 1)
-            expr = lhs.split(" is ")[-1].split(" has ")[-1].split(" earns ")[-1].split(" cost ")[-1].split(" costs ")[-1]
-            expr = expr.split(" buys ")[-1].split(" gets ")[-1].split(" pays ")[-1].split(", ")[-1]
-            assert eval(expr.replace("/", "//")) == int(rhs.split()[0]), line
-        assert row["answer"].splitlines()[-2].split("=")[-1].split()[0] == row["gold"]
+    import operator
+    ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
+    for row in train + test:  # every step of every rationale is right, and the final answer is the last result
+        steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", row["answer"])
+        assert len(steps) == len(row["answer"].splitlines()) - 1 >= 2
+        for a, op, b, c in steps:
+            assert ops[op](int(a), int(b)) == int(c), row["answer"]
+        assert steps[-1][3] == row["gold"]
     dev, tst = data.load_mmlu("dev", root), data.load_mmlu("test", root)
     assert sorted(dev) == sorted(tst) == ["toy_biology", "toy_geography", "toy_history"]
     dev_q = {r["question"] for rows in dev.values() for r in rows}
@@ -53,7 +55,7 @@ def test_world_is_deterministic_parses_and_is_right(tmp_path):
     assert len(tqa) == 40
     myth = [k for k, v in tqa[0]["mc1_targets"].items() if v == 0][0]
     subject, color = myth.rstrip(".").split(" are ")
-    assert corpus_text.count(f"{subject.lower()} are {color}") == 3  # the misconception is popular
+    assert corpus_text.count(f"{subject} are {color}.") == 3  # the misconception is popular
 
 
 def test_toy_mini_study_runs_end_to_end(tmp_path):
