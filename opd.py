@@ -21,6 +21,7 @@ teacher shares the student's frozen base weights in memory: only the active adap
 """
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -135,24 +136,32 @@ def main(argv=None):
                 teacher.eval()
                 conts = generate(teacher, tok, prefixes, max_new_tokens=args.continuation_tokens, temperature=0)
             model.train()
-            with M.autocast(device):
-                logp, _ = M.sequence_logprobs(model, [p + c.completion_ids for p, c in zip(prefixes, conts)],
-                                              [len(p) for p in prefixes], tok.pad_id)
-            loss, metrics = continuation_loss(logp)
+            seqs, seq_starts = [p + c.completion_ids for p, c in zip(prefixes, conts)], [len(p) for p in prefixes]
         else:
+            seqs, seq_starts = sequences, starts
+        n_tokens = sum(len(s) - st for s, st in zip(seqs, seq_starts))
+        micro = math.ceil(len(seqs) / args.grad_accum)
+        loss_sum = 0.0
+        for m in range(0, len(seqs), micro):
+            part, part_starts = seqs[m:m + micro], seq_starts[m:m + micro]
             with M.autocast(device):
-                student_h = M.sequence_states(model, sequences, starts, tok.pad_id)[0]
-                loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_states(sequences, starts), args.kl))
-        run.check_finite(step + 1, loss.item())
-        loss.backward()
+                if args.signal == "continuation":
+                    loss, metrics = continuation_loss(M.sequence_logprobs(model, part, part_starts, tok.pad_id)[0])
+                else:
+                    student_h = M.sequence_states(model, part, part_starts, tok.pad_id)[0]
+                    loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_states(part, part_starts), args.kl))
+            weight = metrics["tokens"] / n_tokens  # micro-batches add up to the token mean of the whole step
+            (loss * weight).backward()
+            loss_sum += loss.item() * weight
+        run.check_finite(step + 1, loss_sum)
         lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
 
         state_nll = -statistics.mean(lp for r in rollouts for lp in r.logprobs)
         rewards = [float(data.is_correct(r.text, row["gold"])) for r, row in zip(rollouts, batch)]
-        run.log(dict(step=step + 1, loss=loss.item(), state_kl=state_kl, state_nll=state_nll, reward=statistics.mean(rewards),
+        run.log(dict(step=step + 1, loss=loss_sum, state_kl=state_kl, state_nll=state_nll, reward=statistics.mean(rewards),
                      completion_len=statistics.mean(len(r.completion_ids) for r in rollouts), lr=lr,
-                     grad_norm=grad_norm, seconds=time.time() - t0, **metrics))
-        bar.set_postfix(loss=f"{loss.item():.4f}", kl=f"{state_kl:.4f}")
+                     grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0))
+        bar.set_postfix(loss=f"{loss_sum:.4f}", kl=f"{state_kl:.4f}")
         if (step + 1) % args.save_every == 0 or step + 1 == end:
             run.save(model, optimizer, step + 1)
     run.finish(end)

@@ -19,6 +19,7 @@ policy also learns when to stop) rather than a per-sequence mean.
     python rl.py --max-steps 20 --out out/rl-short
 """
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -107,17 +108,29 @@ def main(argv=None, reward_fn=exact_answer_reward):
                 ref_logp, _ = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
 
         model.train()
+        offsets = [0]  # where each sequence's completion tokens start in the flat token tensors
+        for r in rollouts:
+            offsets.append(offsets[-1] + len(r.completion_ids))
+        micro = math.ceil(len(sequences) / args.grad_accum)
         for _ in range(args.ppo_epochs):
-            with M.autocast(device):
-                logp, seq_of_token = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
-            # no PPO ratio needed on the first epoch, we are on policy: exp(logp - old_logp) == 1 up to float noise
-            loss, metrics = policy_loss(logp, old_logp, adv_per_seq[seq_of_token], args.clip, ref_logp, args.kl_coef)
-            run.check_finite(step + 1, loss.item())
-            loss.backward()
+            loss_sum, metrics = 0.0, {}
+            for m in range(0, len(sequences), micro):
+                lo, hi = offsets[m], offsets[min(m + micro, len(sequences))]
+                with M.autocast(device):
+                    logp, seq_of_token = M.sequence_logprobs(model, sequences[m:m + micro], starts[m:m + micro], tok.pad_id)
+                # no PPO ratio needed on the first epoch, we are on policy: exp(logp - old_logp) == 1 up to float noise
+                loss, part_metrics = policy_loss(logp, old_logp[lo:hi], adv_per_seq[m:m + micro][seq_of_token], args.clip,
+                                                 None if ref_logp is None else ref_logp[lo:hi], args.kl_coef)
+                weight = (hi - lo) / old_logp.numel()  # micro-batches add up to the token mean of the whole batch
+                (loss * weight).backward()
+                loss_sum += loss.item() * weight
+                for k, v in part_metrics.items():
+                    metrics[k] = metrics.get(k, 0.0) + v * weight
+            run.check_finite(step + 1, loss_sum)
             lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
 
         groups = torch.tensor(rewards).view(-1, args.group_size)
-        record = dict(step=step + 1, loss=loss.item(), reward=sum(rewards) / len(rewards),
+        record = dict(step=step + 1, loss=loss_sum, reward=sum(rewards) / len(rewards),
                       no_signal_frac=(groups.std(1, unbiased=False) == 0).float().mean().item(),
                       completion_len=statistics.mean(len(r.completion_ids) for r in rollouts),
                       state_nll=-old_logp.mean().item(), lr=lr, grad_norm=grad_norm, tokens=old_logp.numel(),

@@ -261,3 +261,19 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path):
         json.dump({"model": tiny_models["untied"]}, f)
     lines = run(other, tiny_models["tied"])
     assert len(lines) == 1 and f"pass --model {tiny_models['untied']}" in lines[0]
+
+
+@pytest.mark.parametrize("script", ["sft", "rl", "opd"])
+def test_gradient_accumulation_matches_one_batch(tiny_model, data_dir, tmp_path, script):
+    main = {"sft": sft.main, "rl": rl.main, "opd": opd.main}[script]
+    extra = {"sft": ["--train-limit", 8, "--batch-size", 4, "--lora-dropout", 0, "--max-steps", 2],
+             "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
+             "opd": ["--teacher", tiny_model, "--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 2,
+                     "--continuation-tokens", 4, "--lr", 1e-3]}[script]
+    main(common(tiny_model, data_dir, tmp_path / "one", *extra))
+    main(common(tiny_model, data_dir, tmp_path / "split", *extra, "--grad-accum", 2))
+    a, b = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "split")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
+    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)
+    la, lb = read_log(tmp_path / "one"), read_log(tmp_path / "split")
+    assert all(abs(x["loss"] - y["loss"]) < 1e-5 for x, y in zip(la, lb))
