@@ -20,6 +20,7 @@ teacher shares the student's frozen base weights in memory: only the active adap
     python opd.py --teacher out/mild --signal logits --out out/opd-logits-mild
 """
 import argparse
+import itertools
 import json
 import math
 import os
@@ -94,8 +95,7 @@ def logit_kl_loss(token_kl):
 def main(argv=None):
     args = parse_args(argv)
     print(vars(args))
-    device, dtype = M.resolve_device(args.device, args.dtype)
-    print(f"device {device}, dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    device, dtype = M.device_from_args(args)
     model, tok = M.load(args.model, device, dtype)
     teacher, teacher_adapter = load_teacher(model, args)
     run = lora.RunFolder(args.out, args, args.resume)
@@ -123,9 +123,10 @@ def main(argv=None):
                             stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
         sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
         starts = [len(r.prompt_ids) for r in rollouts]
+        teacher_h = teacher_states(sequences, starts)  # once a step: the logged KL and, for --signal logits, the loss
         with torch.no_grad(), M.autocast(device):  # teacher-student KL on the student's states, logged for both signals
             student_h = M.sequence_states(model, sequences, starts, tok.pad_id)[0]
-            state_kl = model.token_kl(student_h, teacher_states(sequences, starts), args.kl).mean().item()
+            state_kl = model.token_kl(student_h, teacher_h, args.kl).mean().item()
 
         model.train()
         if args.signal == "continuation":
@@ -139,7 +140,8 @@ def main(argv=None):
             seqs, seq_starts = [p + c.completion_ids for p, c in zip(prefixes, conts)], [len(p) for p in prefixes]
         else:
             seqs, seq_starts = sequences, starts
-        n_tokens = sum(len(s) - st for s, st in zip(seqs, seq_starts))
+        offsets = [0, *itertools.accumulate(len(s) - st for s, st in zip(seqs, seq_starts))]  # token range of each sequence
+        n_tokens = offsets[-1]
         micro = math.ceil(len(seqs) / args.grad_accum)
         loss_sum = 0.0
         for m in range(0, len(seqs), micro):
@@ -149,7 +151,8 @@ def main(argv=None):
                     loss, metrics = continuation_loss(M.sequence_logprobs(model, part, part_starts, tok.pad_id)[0])
                 else:
                     student_h = M.sequence_states(model, part, part_starts, tok.pad_id)[0]
-                    loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_states(part, part_starts), args.kl))
+                    lo, hi = offsets[m], offsets[min(m + micro, len(seqs))]
+                    loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_h[lo:hi], args.kl))
             weight = metrics["tokens"] / n_tokens  # micro-batches add up to the token mean of the whole step
             (loss * weight).backward()
             loss_sum += loss.item() * weight
