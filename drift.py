@@ -175,11 +175,8 @@ def add_drift_args(p):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders to compare with the base model")
-    p.add_argument("--model", default=M.DEFAULT_MODEL, help="base model: hub id or local folder")
+    M.add_model_args(p)
     p.add_argument("--out", default="out", help="where the base rollouts are cached (drift_base.json)")
-    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
     add_drift_args(p)
     args = p.parse_args(argv)
     for run in args.runs:

@@ -311,11 +311,8 @@ def write_table(root):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", help="'base' and/or run folders (base model + that run's adapter)")
-    p.add_argument("--model", default=M.DEFAULT_MODEL, help="base model: hub id or local folder")
+    M.add_model_args(p)
     p.add_argument("--out", default="out", help="output root; the base model's eval.json goes here")
-    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
     p.add_argument("--table", metavar="ROOT", default=None, help="only print and write ROOT/results.md")
     add_eval_args(p)
     args = p.parse_args(argv)

@@ -288,9 +288,8 @@ def optimizer_step(optimizer, step, total_steps, args):
 
 def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     """The flags every training script shares; each script passes its own defaults."""
-    from model import DEFAULT_MODEL
-    p.add_argument("--model", default=DEFAULT_MODEL, help="base model: hub id or local folder")
-    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
+    from model import add_model_args
+    add_model_args(p)
     p.add_argument("--lr", type=float, default=lr, help="peak learning rate of the LoRA parameters")
     p.add_argument("--rank", type=int, default=rank, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=alpha, help="LoRA alpha (scale = alpha / rank)")
@@ -303,8 +302,6 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--save-every", type=int, default=50, help="write a checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
 
 
 def run_finished(folder):

@@ -400,6 +400,21 @@ def resolve_device(device=None, dtype=None):
     return device, dtype
 
 
+def add_model_args(p, model_default=DEFAULT_MODEL, model_help="base model: hub id or local folder"):
+    """The flags every entry point shares: which model, which data, which device."""
+    p.add_argument("--model", default=model_default, help=model_help)
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+
+
+def device_from_args(args):
+    """resolve_device for --device/--dtype, printing what was picked and why."""
+    device, dtype = resolve_device(args.device, args.dtype)
+    print(f"device {device}, dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    return device, dtype
+
+
 def model_folder(name_or_path):
     """A local folder as it is, or a hub id downloaded (config, weights, tokenizer only)."""
     if os.path.isdir(name_or_path):

@@ -126,10 +126,7 @@ def main(argv=None):
     p.add_argument("--preset", choices=sorted(PRESETS), default="toy", help="which study to run")
     p.add_argument("--seeds", type=int, default=1, help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
-    p.add_argument("--model", default=None, help="base model (default: the preset's)")
-    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+    M.add_model_args(p, None, "base model (default: the preset's)")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")

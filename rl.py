@@ -76,8 +76,7 @@ def exact_answer_reward(rollout, row):
 def main(argv=None, reward_fn=exact_answer_reward):
     args = parse_args(argv)
     print(vars(args))
-    device, dtype = M.resolve_device(args.device, args.dtype)
-    print(f"device {device}, dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    device, dtype = M.device_from_args(args)
     run = lora.RunFolder(args.out, args, args.resume)
     model, tok = M.load(args.model, device, dtype)
     torch.manual_seed(args.seed)  # the initial LoRA A matrices

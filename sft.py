@@ -58,8 +58,7 @@ def sft_loss(token_logprobs):
 def main(argv=None):
     args = parse_args(argv)
     print(vars(args))
-    device, dtype = M.resolve_device(args.device, args.dtype)
-    print(f"device {device}, dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    device, dtype = M.device_from_args(args)
     run = lora.RunFolder(args.out, args, args.resume)
     model, tok = M.load(args.model, device, dtype)
     torch.manual_seed(args.seed)  # the initial LoRA A matrices
