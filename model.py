@@ -103,8 +103,15 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
         self.length = 0
         self.max_len = max_len
+        self.write_pos = None  # a 1-element tensor in fixed-shape decoding (Qwen3.decode_step)
 
     def update(self, layer, k, v):
+        if self.write_pos is not None:
+            # in place at a position held in a tensor: the same kernels serve every step, so
+            # the step can be captured once as a CUDA graph and replayed
+            self.k[layer].index_copy_(2, self.write_pos, k)
+            self.v[layer].index_copy_(2, self.write_pos, v)
+            return self.k[layer], self.v[layer]
         T = k.shape[2]
         if self.length + T > self.max_len:
             raise ValueError(f"KV cache full: {self.length}+{T} positions > max_len {self.max_len}")
@@ -221,6 +228,18 @@ class Qwen3(nn.Module):
             cache.length += T
         x = self.model.norm(x)
         return x if hidden_only else self.lm_head(x)
+
+    def decode_step(self, tokens, positions, key_mask, cache):
+        """One new token per row at fixed shapes: tokens and positions (R, 1), key_mask
+        (R, 1, 1, max_len) true where a cached key may be attended to, and a cache whose
+        write_pos says which column the new keys go to. Returns fp32 logits (R, vocab).
+        Every input is a tensor updated in place by the caller, so on CUDA one captured
+        graph of this step serves the whole decode loop (sample.generate)."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, key_mask, cache)
+        return self.lm_head(self.model.norm(x))[:, -1].float()
 
     def new_cache(self, batch_size, max_len):
         p = self.lm_head.weight

@@ -9,8 +9,10 @@ exactly one thing in this code base: tokens returned by this function for the cu
 weights.
 
 Prompts are left-padded into one batch; each prompt is prefilled once and its KV cache
-copied to its n samples. Finished rows are dropped from the batch, so a long straggler
-does not make every other row pay for its tokens.
+copied to its n samples. On the CPU, finished rows are dropped from the batch, so a long
+straggler does not make every other row pay for its tokens; on CUDA the decode step is
+captured once as a CUDA graph at a fixed shape and replayed (FixedShapeDecoder), which
+matters more there than the rows saved.
 """
 from dataclasses import dataclass, field
 
@@ -51,16 +53,73 @@ def find_stop(text, stop):
     return min(hits) if hits else -1
 
 
+class FixedShapeDecoder:
+    """The decode loop's model call at one batch size and cache length. Its inputs live in
+    buffers updated in place, so on CUDA the step is captured once as a CUDA graph and
+    replayed for every token: a 0.6B model's step is hundreds of small kernels, and
+    launching them one by one from Python costs more than running them. Rows are never
+    dropped here (that would change the shapes); finished rows decode on, unread.
+    Without a graph (decode="fixed") the same fixed-shape step runs eagerly."""
+
+    def __init__(self, model, cache, mask, use_graph):
+        R, P = mask.shape
+        device = mask.device
+        self.model, self.cache = model, cache
+        self.tokens = torch.zeros(R, 1, dtype=torch.long, device=device)
+        self.positions = mask.sum(-1, keepdim=True) - 1  # advanced before each step
+        self.key_mask = torch.zeros(R, 1, 1, cache.max_len, dtype=torch.bool, device=device)
+        self.key_mask[:, 0, 0, :P] = mask.bool()
+        cache.write_pos = torch.full((1,), P - 1, dtype=torch.long, device=device)  # advanced before each step
+        self.use_graph, self.graph, self.logits = use_graph, None, None
+
+    def _step(self):
+        return self.model.decode_step(self.tokens, self.positions, self.key_mask, self.cache)
+
+    def __call__(self, next_tok):
+        self.tokens.copy_(next_tok[:, None])
+        self.positions += 1
+        self.cache.write_pos += 1
+        self.key_mask.index_fill_(-1, self.cache.write_pos, True)
+        if not self.use_graph:
+            return self._step()
+        if self.graph is None:
+            # the first step runs eagerly on a side stream (kernel selection, workspace
+            # allocation), then the same step is captured without running
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                first = self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # autocast's weight cache would hold casts made at capture time: turn it off
+            with torch.autocast("cuda", enabled=torch.is_autocast_enabled("cuda"),
+                                dtype=torch.get_autocast_dtype("cuda"), cache_enabled=False):
+                with torch.cuda.graph(self.graph):
+                    self.logits = self._step()
+            return first
+        self.graph.replay()
+        return self.logits
+
+
 @torch.no_grad()
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0,
-             stop=(), seed=None, progress=False):
+             stop=(), seed=None, progress=False, decode="auto"):
     """Sample n completions for each prompt (strings or lists of token ids).
 
     Greedy when temperature == 0. With a seed, sample r (prompt i, sample j, r = i*n + j)
     draws its randomness from its own generator seeded with seed + r, so a sample does not
-    depend on what else is in the batch. Returns a list of Rollout, prompt-major.
+    depend on what else is in the batch. decode picks the decode loop: "dropping" (finished
+    rows leave the batch), "fixed" (FixedShapeDecoder run eagerly), "graph" (FixedShapeDecoder
+    replaying a CUDA graph) or "auto" (graph on CUDA, dropping elsewhere); all four return
+    the same tokens. Returns a list of Rollout, prompt-major.
     """
     device = model.lm_head.weight.device
+    if decode == "auto":
+        decode = "graph" if device.type == "cuda" else "dropping"
+    if decode not in ("dropping", "fixed", "graph"):
+        raise ValueError(f"decode={decode!r}: use 'auto', 'dropping', 'fixed' or 'graph'")
+    if decode == "graph" and device.type != "cuda":
+        raise ValueError(f"decode='graph' needs a CUDA device, the model is on {device}; use decode='fixed' or 'auto'")
     prompt_ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("empty prompt: every prompt needs at least one token")
@@ -75,6 +134,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
         mask = mask.repeat_interleave(n, dim=0)
         logits = logits.repeat_interleave(n, dim=0)
     R = B * n
+    decoder = FixedShapeDecoder(model, cache, mask, use_graph=decode == "graph") if decode != "dropping" else None
     generators = None
     if seed is not None and temperature > 0:
         generators = [torch.Generator().manual_seed(seed + r) for r in range(R)]
@@ -84,7 +144,8 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     completions = [[] for _ in range(R)]
     logprobs = [[] for _ in range(R)]
     finish = ["length"] * R
-    alive = torch.arange(R, device=device)  # original row index of each row still in the batch
+    in_batch = list(range(R))  # original row index of each batch row
+    finished = [False] * R
     steps = range(max_new_tokens)
     if progress:
         from tqdm import tqdm
@@ -99,13 +160,15 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
                 next_tok = torch.multinomial(probs, 1).squeeze(-1)
             else:
                 # inverse-CDF sampling with one uniform per row from that row's own generator
-                u = torch.cat([torch.rand(1, generator=generators[r]) for r in alive.tolist()]).to(device)
+                u = torch.cat([torch.rand(1, generator=generators[r]) for r in in_batch]).to(device)
                 cdf = probs.cumsum(-1)
                 next_tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
         tok_logprob = logprob_all.gather(-1, next_tok[:, None]).squeeze(-1)
 
         keep = []
-        for row, (r, t, lp) in enumerate(zip(alive.tolist(), next_tok.tolist(), tok_logprob.tolist())):
+        for row, (r, t, lp) in enumerate(zip(in_batch, next_tok.tolist(), tok_logprob.tolist())):
+            if finished[r]:
+                continue
             completions[r].append(t)
             logprobs[r].append(lp)
             if t == tokenizer.eos_id:
@@ -114,13 +177,19 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
                 finish[r] = "stop"
             else:
                 keep.append(row)
+                continue
+            finished[r] = True
         if not keep or step == max_new_tokens - 1:
             break
-        if len(keep) < len(alive):
+        if decoder is not None:
+            logits = decoder(next_tok)
+            continue
+        if len(keep) < len(in_batch):
             index = torch.tensor(keep, device=device)
-            alive, next_tok, mask = alive[index], next_tok[index], mask[index]
+            in_batch = [in_batch[row] for row in keep]
+            next_tok, mask = next_tok[index], mask[index]
             cache.select_rows(index)
-        mask = torch.cat([mask, mask.new_ones(len(alive), 1)], dim=1)
+        mask = torch.cat([mask, mask.new_ones(len(in_batch), 1)], dim=1)
         logits = model(next_tok[:, None], attention_mask=mask, cache=cache)[:, -1].float()
 
     rollouts = []
