@@ -56,7 +56,8 @@ class LoRALinear(nn.Module):
             return y
         # LoRA parameters stay fp32 (the optimizer state too); the base may be bf16
         A, B = self.lora_A[name], self.lora_B[name]
-        h = F.dropout(x, self.dropout[name], self.training).to(A.dtype)
+        p = self.dropout[name]
+        h = (F.dropout(x, p, True) if p > 0 and self.training else x).to(A.dtype)  # p=0 would still copy x
         return y + (F.linear(F.linear(h, A), B) * self.scaling[name]).to(y.dtype)
 
     @torch.no_grad()

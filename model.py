@@ -245,16 +245,21 @@ class Qwen3(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
 
-    def token_logprobs(self, hidden, targets, chunk_size=1024):
+    def token_logprobs(self, hidden, targets, chunk_size=512):
         """log p(target | state) in fp32 for hidden states (N, hidden) and targets (N,).
-        Logits are built chunk by chunk and recomputed in the backward pass, so the full
-        (N, vocab) matrix never lives in memory at once (151,936 columns for Qwen3)."""
+        Logits are built chunk by chunk, so the full (N, vocab) matrix never lives in
+        memory at once (151,936 columns for Qwen3). With the output layer frozen (LoRA),
+        each chunk's gradient is formed while its logits are at hand (HeadLogprob);
+        when the output layer trains too, chunks are recomputed in the backward pass."""
         out = []
+        frozen_head = not self.lm_head.weight.requires_grad
         for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
-            if torch.is_grad_enabled() and h.requires_grad:
-                out.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, h, t, use_reentrant=False))
-            else:
+            if not (torch.is_grad_enabled() and h.requires_grad):
                 out.append(self._chunk_logprobs(h, t))
+            elif frozen_head:
+                out.append(HeadLogprob.apply(h, self.lm_head.weight, t))
+            else:
+                out.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, h, t, use_reentrant=False))
         return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
     def _chunk_logprobs(self, h, t):
@@ -289,6 +294,35 @@ class Qwen3(nn.Module):
         # scale up into a full-size step
         surrogate = (grad.detach() * z).sum(-1)
         return kl.detach() + surrogate - surrogate.detach()
+
+
+class HeadLogprob(torch.autograd.Function):
+    """log p(target | state) for a chunk of states under a frozen output layer W. Its
+    gradient with respect to state i is g_i * (onehot(target_i) - softmax_i) @ W: the
+    bracket is known as soon as the logits are, so the forward pass forms that (chunk,
+    hidden) product and the backward pass only scales it. Against autograd through a
+    checkpoint this saves recomputing the chunk's logits, and against autograd without one
+    it keeps no (chunk, vocab) tensor alive between the passes."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets):
+        logits = F.linear(h, weight).float()
+        target_logit = logits.gather(-1, targets[:, None])
+        top = logits.amax(-1, keepdim=True)
+        exp = logits.sub_(top).exp_()  # in place: the one (chunk, vocab) buffer this needs
+        total = exp.sum(-1, keepdim=True)
+        logp = (target_logit - top - total.log()).squeeze(-1)
+        if ctx.needs_input_grad[0]:
+            minus_delta = exp.div_(total)  # softmax
+            minus_delta.scatter_add_(-1, targets[:, None], minus_delta.new_full((len(targets), 1), -1.0))
+            ctx.save_for_backward(-(minus_delta.to(weight.dtype) @ weight).float())
+            ctx.h_dtype = h.dtype
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad):
+        (d_logp_d_h,) = ctx.saved_tensors
+        return (grad.float()[:, None] * d_logp_d_h).to(ctx.h_dtype), None, None
 
 
 def left_pad(seqs, pad_id, device=None):

@@ -77,12 +77,22 @@ def test_token_logprobs_equal_log_softmax(tiny_model):
     expected = ours(ids[:, :-1])[0].log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     got = ours.token_logprobs(hidden, targets, chunk_size=3)
     assert torch.allclose(got, expected, atol=1e-5)
-    # the checkpointed chunks give the same gradient as the plain computation
-    h1 = hidden.detach().requires_grad_(True)
-    ours.token_logprobs(h1, targets, chunk_size=4).sum().backward()
-    h2 = hidden.detach().requires_grad_(True)
-    ours.lm_head(h2).log_softmax(-1).gather(-1, targets[:, None]).sum().backward()
-    assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
+    # both gradient paths equal plain autograd, under an uneven upstream gradient: the frozen
+    # output layer (HeadLogprob) and the trainable one (checkpointed chunks, weight grad too)
+    weights = torch.linspace(-1.0, 2.0, len(targets))
+    for trainable_head in (False, True):
+        ours.lm_head.weight.requires_grad_(trainable_head)
+        h1 = hidden.detach().requires_grad_(True)
+        (ours.token_logprobs(h1, targets, chunk_size=4) * weights).sum().backward()
+        w_grad = ours.lm_head.weight.grad
+        ours.lm_head.weight.grad = None
+        h2 = hidden.detach().requires_grad_(True)
+        (ours.lm_head(h2).log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1) * weights).sum().backward()
+        assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
+        if trainable_head:
+            assert torch.allclose(w_grad, ours.lm_head.weight.grad, atol=1e-5)
+        ours.lm_head.weight.grad = None
+    ours.lm_head.weight.requires_grad_(False)
 
 
 def test_official_config_loads_with_its_values():

@@ -1,0 +1,75 @@
+"""What every benchmark shares: the reference model built from the official Qwen3-0.6B
+config with random weights, our model on the very same tensors, and timing that waits for
+the device. Benchmarks print tables; they never pass or fail."""
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import model as M  # noqa: E402
+
+CONFIG = os.path.join(ROOT, "..", "shared", "qwen3-0.6b-base")
+
+
+class NoStopTokenizer:
+    """Ids in, ids out; an end-of-text id that random weights never produce, so both
+    implementations decode exactly the same number of tokens."""
+    eos_id, pad_id = -1, 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def add_args(p, dtypes="fp32,bf16"):
+    p.add_argument("--config", default=CONFIG, help="folder with the official Qwen3-0.6B config.json")
+    p.add_argument("--dtypes", default=dtypes, help="comma-separated: fp32, bf16")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+
+
+def setup(args):
+    if not os.path.isfile(os.path.join(args.config, "config.json")):
+        raise SystemExit(f"{args.config}: no config.json; pass --config with the folder holding Qwen3-0.6B's config.json")
+    device, _ = M.resolve_device(args.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    print(f"device {device} ({name}), torch {torch.__version__}", flush=True)
+    return device
+
+
+def build(config_dir, dtype, device, seed=0):
+    """transformers' Qwen3ForCausalLM with random weights, and ours sharing its tensors
+    (no second copy in memory, and certainly the same weights)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    with torch.device(device):  # random init where the model lives: seconds on a GPU, not a minute
+        ref = Qwen3ForCausalLM(Qwen3Config.from_pretrained(config_dir))
+    ref = ref.to(dtype).eval()
+    with torch.device("meta"):
+        ours = M.Qwen3(M.read_config(config_dir))
+    M.load_weights(ours, dict(ref.state_dict()), "transformers model")
+    return ours.eval(), ref
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device, repeats=1):
+    """Best wall time of `repeats` calls (after the caller's warm-up), and the last result."""
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        synchronize(device)
+        t0 = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def markdown(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""
+Group sampling as rl.py does it: 8 prompts x 8 samples, 128 new tokens, temperature 1.
+Ours prefills each prompt once and copies its KV cache to the 8 samples
+(sample.generate(n=8)); transformers' generate(num_return_sequences=8) repeats each prompt
+8 times and prefills all 64 rows. Same random Qwen3-0.6B-shape weights, both dtypes.
+Prompts are random ids, 96 tokens by default: about the length of a zero-shot GSM8K
+question in rl.py's format. Prints samples per second and the ratio (higher is better).
+
+    python bench/group.py
+    python bench/group.py --dtypes bf16 --new-tokens 32
+"""
+import argparse
+
+import torch
+
+from common import M, NoStopTokenizer, add_args, build, markdown, setup, timed
+from sample import generate
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    p.add_argument("--prompts", type=int, default=8)
+    p.add_argument("--samples", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-tokens", type=int, default=96)
+    args = p.parse_args()
+    device = setup(args)
+    B, n, T = args.prompts, args.samples, args.new_tokens
+    prompts = torch.randint(1000, 100000, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    ids = prompts.to(device)
+    modes = ["graph", "dropping"] if device.type == "cuda" else ["dropping"]
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        _, dtype = M.resolve_device(device, dtype_name)
+        ours, ref = build(args.config, dtype, device)
+        run_ref = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                       num_return_sequences=n, temperature=1.0, top_k=0, top_p=1.0,
+                                       max_new_tokens=T, min_new_tokens=T, pad_token_id=0, eos_token_id=None)
+        with torch.no_grad():
+            # warm-up at a few tokens: kernels chosen, memory pools grown
+            ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=n,
+                         max_new_tokens=2, pad_token_id=0, eos_token_id=None)
+            t_ref, out_ref = timed(run_ref, device)
+            assert out_ref.shape == (B * n, args.prompt_tokens + T)
+            first = None
+            for mode in modes:
+                run_ours = lambda: generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=T,
+                                            temperature=1.0, seed=0, decode=mode)
+                try:
+                    generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode)
+                    t_ours, out_ours = timed(run_ours, device)
+                except Exception as e:  # one broken mode should not hide the other rows
+                    rows.append((dtype_name, f"{B}x{n}", T, mode, f"error: {type(e).__name__}: {e}"[:200], "", "", ""))
+                    print(*rows[-1], flush=True)
+                    continue
+                assert all(len(r.completion_ids) == T for r in out_ours)
+                first = first or out_ours
+                # same seeds, so every decode loop should draw the same samples
+                same = sum(a.completion_ids == b.completion_ids for a, b in zip(first, out_ours)) / len(first)
+                rows.append((dtype_name, f"{B}x{n}", T, mode, f"{B * n / t_ours:.2f}", f"{B * n / t_ref:.2f}",
+                             f"{t_ref / t_ours:.2f}x", f"{same:.0%}"))
+                print(" ".join(map(str, rows[-1])), flush=True)
+        del ours, ref
+    print()
+    print(markdown(["dtype", "prompts x samples", "new tokens", "ours: decode", "ours samples/s", "transformers samples/s",
+                    "ratio", f"samples equal to {modes[0]}"], rows))
+
+
+if __name__ == "__main__":
+    main()

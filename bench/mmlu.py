@@ -1,0 +1,87 @@
+"""
+MMLU scoring: 100 test questions (4 choices, 5-shot prompts in lm-evaluation-harness's
+format, stratified over subjects as evaluate.py picks them) scored by
+evaluate.score_choices, which runs each prompt once and copies its KV cache to the four
+continuations, against the per-choice way of lm-evaluation-harness's Hugging Face
+backend: each prompt-plus-choice string is its own sequence through transformers'
+Qwen3ForCausalLM, batched, log-softmax over its logits. Same random Qwen3-0.6B-shape
+weights. The real MMLU files are read from --data-dir (default $STATES_DATA, else
+../shared/data); the Qwen tokenizer cannot be fetched here, so a BPE tokenizer is trained
+on those files (vocabulary 16,384; prompts come out about as long as with Qwen's).
+Prints questions per second, the ratio (higher is better) and the largest difference
+between the two sets of log-likelihoods.
+
+    python bench/mmlu.py
+    python bench/mmlu.py --dtypes bf16 --questions 20
+"""
+import argparse
+import os
+import tempfile
+
+import torch
+
+from common import M, ROOT, add_args, build, markdown, setup, timed
+import data  # noqa: E402  (common put the repository on the path)
+from evaluate import score_choices  # noqa: E402
+
+
+def per_choice_loop(ref, tok, contexts, choices, batch_size):
+    """lm-evaluation-harness's way: every (context, choice) pair is a full sequence."""
+    device = ref.device
+    requests = []
+    for ctx, opts in zip(contexts, choices):
+        n_ctx = len(tok.encode(ctx))
+        for whole in tok.encode_batch([ctx + o for o in opts]):
+            requests.append((whole, len(whole) - n_ctx))
+    sums = []
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        L = max(len(w) for w, _ in batch)
+        ids = torch.tensor([w + [tok.pad_id] * (L - len(w)) for w, _ in batch], device=device)
+        mask = torch.tensor([[1] * len(w) + [0] * (L - len(w)) for w, _ in batch], device=device)
+        logp = ref(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+        for row, (whole, n_cont) in enumerate(batch):
+            targets = torch.tensor(whole[-n_cont:], device=device)
+            sums.append(logp[row, len(whole) - n_cont - 1:len(whole) - 1].gather(-1, targets[:, None]).sum().item())
+    return [sums[i:i + len(c)] for i, c in zip(range(0, len(sums), 4), choices)]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p)
+    p.add_argument("--data-dir", default=os.environ.get("STATES_DATA") or os.path.join(ROOT, "..", "shared", "data"))
+    p.add_argument("--questions", type=int, default=100)
+    p.add_argument("--shots", type=int, default=5)
+    p.add_argument("--scoring", default="letter", choices=["letter", "text"])
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per batch for ours; sequences per batch for the loop")
+    args = p.parse_args()
+    device = setup(args)
+    dev, test = data.load_mmlu("dev", args.data_dir), data.load_mmlu("test", args.data_dir)
+    rows = data.mmlu_subset(test, args.questions)
+    contexts = [data.mmlu_prompt(r, dev[r["subject"]][:args.shots]) for r in rows]
+    choices = [data.mmlu_continuations(r, args.scoring) for r in rows]
+    with tempfile.TemporaryDirectory() as tmp:
+        texts = contexts + [q for rs in dev.values() for q in map(data.mmlu_question, rs)]
+        tok = M.Tokenizer(M.train_tokenizer(texts, os.path.join(tmp, "tokenizer.json"), vocab_size=16384), eos_id=0)
+    lengths = [len(tok.encode(c)) for c in contexts]
+    print(f"{len(rows)} questions, prompts {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f})")
+    table = []
+    for dtype_name in args.dtypes.split(","):
+        _, dtype = M.resolve_device(device, dtype_name)
+        ours, ref = build(args.config, dtype, device)
+        with torch.no_grad():
+            score_choices(ours, tok, contexts[:2], choices[:2], args.batch_size)  # warm-up
+            per_choice_loop(ref, tok, contexts[:2], choices[:2], args.batch_size)
+            t_ours, ll_ours = timed(lambda: score_choices(ours, tok, contexts, choices, args.batch_size), device)
+            t_ref, ll_ref = timed(lambda: per_choice_loop(ref, tok, contexts, choices, args.batch_size), device)
+        diff = max(abs(a - b) for x, y in zip(ll_ours, ll_ref) for a, b in zip(x, y))
+        table.append((dtype_name, len(rows), args.scoring, f"{len(rows) / t_ours:.2f}", f"{len(rows) / t_ref:.2f}",
+                      f"{t_ref / t_ours:.2f}x", f"{diff:.3g}"))
+        print(" ".join(map(str, table[-1])), flush=True)
+        del ours, ref
+    print()
+    print(markdown(["dtype", "questions", "scoring", "ours q/s", "per-choice loop q/s", "ratio", "max |Δ loglik|"], table))
+
+
+if __name__ == "__main__":
+    main()
