@@ -54,11 +54,14 @@ class LoRALinear(nn.Module):
         name = self.active
         if name is None or name == self.merged:
             return y
-        # LoRA parameters stay fp32 (the optimizer state too); the base may be bf16
-        A, B = self.lora_A[name], self.lora_B[name]
+        # LoRA parameters stay fp32 (the optimizer state too). Their products run in the
+        # activations' dtype, like every other product in the model: casting two (rank, in)
+        # matrices is cheap, casting the (tokens, in) activations would not be, and its fp32
+        # copy would be kept for the backward pass
+        A, B = self.lora_A[name].to(x.dtype), self.lora_B[name].to(x.dtype)
         p = self.dropout[name]
-        h = (F.dropout(x, p, True) if p > 0 and self.training else x).to(A.dtype)  # p=0 would still copy x
-        return y + (F.linear(F.linear(h, A), B) * self.scaling[name]).to(y.dtype)
+        h = F.dropout(x, p, True) if p > 0 and self.training else x  # p=0 would still copy x
+        return y + F.linear(F.linear(h, A), B) * self.scaling[name]
 
     @torch.no_grad()
     def merge(self):
