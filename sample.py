@@ -151,7 +151,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
         from tqdm import tqdm
         steps = tqdm(steps, desc="sampling", leave=False)
     for step in steps:
-        logprob_all = logits.log_softmax(-1)
+        log_z = logits.logsumexp(-1)  # the log-prob of the drawn token only, not a (rows, vocab) log-softmax
         if temperature == 0:
             next_tok = logits.argmax(-1)
         else:
@@ -163,7 +163,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
                 u = torch.cat([torch.rand(1, generator=generators[r]) for r in in_batch]).to(device)
                 cdf = probs.cumsum(-1)
                 next_tok = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None]).squeeze(-1).clamp(max=probs.shape[-1] - 1)
-        tok_logprob = logprob_all.gather(-1, next_tok[:, None]).squeeze(-1)
+        tok_logprob = logits.gather(-1, next_tok[:, None]).squeeze(-1) - log_z
 
         keep = []
         for row, (r, t, lp) in enumerate(zip(in_batch, next_tok.tolist(), tok_logprob.tolist())):

@@ -69,6 +69,18 @@ def timed(fn, device, repeats=1):
     return best, out
 
 
+def race(fns, device, repeats=3):
+    """Best time of each function over `repeats` rounds, the functions taking turns within
+    a round so that a slow spell of a shared machine hits all of them; and each one's last
+    result. Call each once beforehand to warm up."""
+    best, results = [float("inf")] * len(fns), [None] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            seconds, results[i] = timed(fn, device)
+            best[i] = min(best[i], seconds)
+    return best, results
+
+
 def markdown(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from common import M, NoStopTokenizer, add_args, build, markdown, setup, timed
+from common import M, NoStopTokenizer, add_args, build, markdown, race, setup
 from sample import generate
 
 
@@ -24,6 +24,7 @@ def main():
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=96)
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds, implementations taking turns; the best counts")
     args = p.parse_args()
     device = setup(args)
     B, n, T = args.prompts, args.samples, args.new_tokens
@@ -37,30 +38,23 @@ def main():
         run_ref = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                        num_return_sequences=n, temperature=1.0, top_k=0, top_p=1.0,
                                        max_new_tokens=T, min_new_tokens=T, pad_token_id=0, eos_token_id=None)
+        runs = [lambda mode=mode: generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=T,
+                                           temperature=1.0, seed=0, decode=mode) for mode in modes]
         with torch.no_grad():
             # warm-up at a few tokens: kernels chosen, memory pools grown
             ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=n,
                          max_new_tokens=2, pad_token_id=0, eos_token_id=None)
-            t_ref, out_ref = timed(run_ref, device)
-            assert out_ref.shape == (B * n, args.prompt_tokens + T)
-            first = None
             for mode in modes:
-                run_ours = lambda: generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=T,
-                                            temperature=1.0, seed=0, decode=mode)
-                try:
-                    generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode)
-                    t_ours, out_ours = timed(run_ours, device)
-                except Exception as e:  # one broken mode should not hide the other rows
-                    rows.append((dtype_name, f"{B}x{n}", T, mode, f"error: {type(e).__name__}: {e}"[:200], "", "", ""))
-                    print(*rows[-1], flush=True)
-                    continue
-                assert all(len(r.completion_ids) == T for r in out_ours)
-                first = first or out_ours
-                # same seeds, so every decode loop should draw the same samples
-                same = sum(a.completion_ids == b.completion_ids for a, b in zip(first, out_ours)) / len(first)
-                rows.append((dtype_name, f"{B}x{n}", T, mode, f"{B * n / t_ours:.2f}", f"{B * n / t_ref:.2f}",
-                             f"{t_ref / t_ours:.2f}x", f"{same:.0%}"))
-                print(" ".join(map(str, rows[-1])), flush=True)
+                generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode)
+            (t_ref, *t_ours), (out_ref, *out_ours) = race([run_ref] + runs, device, args.repeats)
+        assert out_ref.shape == (B * n, args.prompt_tokens + T)
+        for mode, t, out in zip(modes, t_ours, out_ours):
+            assert all(len(r.completion_ids) == T for r in out)
+            # same seeds, so every decode loop should draw the same samples
+            same = sum(a.completion_ids == b.completion_ids for a, b in zip(out_ours[0], out)) / len(out)
+            rows.append((dtype_name, f"{B}x{n}", T, mode, f"{B * n / t:.2f}", f"{B * n / t_ref:.2f}",
+                         f"{t_ref / t:.2f}x", f"{same:.0%}"))
+            print(*rows[-1], flush=True)
         del ours, ref
     print()
     print(markdown(["dtype", "prompts x samples", "new tokens", "ours: decode", "ours samples/s", "transformers samples/s",

@@ -2,9 +2,9 @@
 MMLU scoring: 100 test questions (4 choices, 5-shot prompts in lm-evaluation-harness's
 format, stratified over subjects as evaluate.py picks them) scored by
 evaluate.score_choices, which runs each prompt once and copies its KV cache to the four
-continuations, against the per-choice way of lm-evaluation-harness's Hugging Face
-backend: each prompt-plus-choice string is its own sequence through transformers'
-Qwen3ForCausalLM, batched, log-softmax over its logits. Same random Qwen3-0.6B-shape
+continuations, against the per-choice way of lm-evaluation-harness: each
+prompt-plus-choice string is its own sequence through transformers' Qwen3ForCausalLM,
+batched, with logits only for the continuation tokens. Same random Qwen3-0.6B-shape
 weights. The real MMLU files are read from --data-dir (default $STATES_DATA, else
 ../shared/data); the Qwen tokenizer cannot be fetched here, so a BPE tokenizer is trained
 on those files (vocabulary 16,384; prompts come out about as long as with Qwen's).
@@ -26,7 +26,11 @@ from evaluate import score_choices  # noqa: E402
 
 
 def per_choice_loop(ref, tok, contexts, choices, batch_size):
-    """lm-evaluation-harness's way: every (context, choice) pair is a full sequence."""
+    """Every (context, choice) pair as its own full sequence, the way lm-evaluation-harness
+    scores multiple choice. Left-padded, so every continuation ends in the last column and
+    transformers' logits_to_keep returns logits for the continuations only: the loop
+    differs from score_choices in running each prompt once per choice, and in nothing else
+    that costs time or memory."""
     device = ref.device
     requests = []
     for ctx, opts in zip(contexts, choices):
@@ -36,13 +40,14 @@ def per_choice_loop(ref, tok, contexts, choices, batch_size):
     sums = []
     for start in range(0, len(requests), batch_size):
         batch = requests[start:start + batch_size]
-        L = max(len(w) for w, _ in batch)
-        ids = torch.tensor([w + [tok.pad_id] * (L - len(w)) for w, _ in batch], device=device)
-        mask = torch.tensor([[1] * len(w) + [0] * (L - len(w)) for w, _ in batch], device=device)
-        logp = ref(input_ids=ids, attention_mask=mask).logits.float().log_softmax(-1)
+        ids, mask = M.left_pad([w for w, _ in batch], tok.pad_id, device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        keep = max(n for _, n in batch) + 1
+        logits = ref(input_ids=ids, attention_mask=mask, position_ids=positions, logits_to_keep=keep).logits
+        logp = logits[:, :-1].float().log_softmax(-1)  # the state before each of the last keep-1 tokens
         for row, (whole, n_cont) in enumerate(batch):
             targets = torch.tensor(whole[-n_cont:], device=device)
-            sums.append(logp[row, len(whole) - n_cont - 1:len(whole) - 1].gather(-1, targets[:, None]).sum().item())
+            sums.append(logp[row, -n_cont:].gather(-1, targets[:, None]).sum().item())
     return [sums[i:i + len(c)] for i, c in zip(range(0, len(sums), 4), choices)]
 
 

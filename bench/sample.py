@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from common import M, NoStopTokenizer, add_args, build, markdown, setup, timed
+from common import M, NoStopTokenizer, add_args, build, markdown, race, setup
 from sample import generate
 
 
@@ -22,7 +22,7 @@ def main():
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=1, help="timed calls per setting; the best counts")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds, implementations taking turns; the best counts")
     args = p.parse_args()
     device = setup(args)
     modes = ["graph", "dropping"] if device.type == "cuda" else ["dropping"]
@@ -36,23 +36,17 @@ def main():
             ids, n = prompts.to(device), args.new_tokens
             run_ref = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                            max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+            runs = [lambda mode=mode: generate(ours, NoStopTokenizer(), prompts.tolist(), max_new_tokens=n,
+                                               temperature=0, decode=mode) for mode in modes]
             with torch.no_grad():
-                run_ref()  # warm-up
-                t_ref, out_ref = timed(run_ref, device, args.repeats)
-                for mode in modes:
-                    run_ours = lambda: generate(ours, NoStopTokenizer(), prompts.tolist(), max_new_tokens=n,
-                                                temperature=0, decode=mode)
-                    try:
-                        run_ours()
-                        t_ours, out_ours = timed(run_ours, device, args.repeats)
-                    except Exception as e:  # one broken mode should not hide the other rows
-                        rows.append((dtype_name, B, mode, f"error: {type(e).__name__}: {e}"[:200], "", "", ""))
-                        print(*rows[-1], flush=True)
-                        continue
-                    same = [r.completion_ids for r in out_ours] == out_ref[:, args.prompt_tokens:].tolist()
-                    rows.append((dtype_name, B, mode, f"{B * n / t_ours:.1f}", f"{B * n / t_ref:.1f}",
-                                 f"{t_ref / t_ours:.2f}x", "yes" if same else "no"))
-                    print(" ".join(map(str, rows[-1])), flush=True)
+                for fn in [run_ref] + runs:
+                    fn()  # warm-up
+                (t_ref, *t_ours), (out_ref, *out_ours) = race([run_ref] + runs, device, args.repeats)
+            for mode, t, out in zip(modes, t_ours, out_ours):
+                same = [r.completion_ids for r in out] == out_ref[:, args.prompt_tokens:].tolist()
+                rows.append((dtype_name, B, mode, f"{B * n / t:.1f}", f"{B * n / t_ref:.1f}", f"{t_ref / t:.2f}x",
+                             "yes" if same else "no"))
+                print(*rows[-1], flush=True)
         del ours, ref
     print()
     print(markdown(["dtype", "batch", "ours: decode", "ours tok/s", "transformers tok/s", "ratio", "same tokens"], rows))
