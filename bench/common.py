@@ -52,6 +52,11 @@ def build(config_dir, dtype, device, seed=0):
     return ours.eval(), ref
 
 
+def random_ids(config_dir, shape, seed):
+    """Token ids for random-weight models: any id in the vocabulary will do."""
+    return torch.randint(0, M.read_config(config_dir).vocab_size, shape, generator=torch.Generator().manual_seed(seed))
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize()

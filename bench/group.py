@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from common import M, NoStopTokenizer, add_args, build, markdown, race, setup
+from common import M, NoStopTokenizer, add_args, build, markdown, race, random_ids, setup
 from sample import generate
 
 
@@ -24,13 +24,15 @@ def main():
     p.add_argument("--samples", type=int, default=8)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--prompt-tokens", type=int, default=96)
+    p.add_argument("--modes", default=None, help="decode loops of ours to time, e.g. dropping,fixed "
+                                                 "(default: graph,dropping on CUDA, dropping elsewhere)")
     p.add_argument("--repeats", type=int, default=1, help="timed rounds, implementations taking turns; the best counts")
     args = p.parse_args()
     device = setup(args)
     B, n, T = args.prompts, args.samples, args.new_tokens
-    prompts = torch.randint(1000, 100000, (B, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+    prompts = random_ids(args.config, (B, args.prompt_tokens), seed=0)
     ids = prompts.to(device)
-    modes = ["graph", "dropping"] if device.type == "cuda" else ["dropping"]
+    modes = args.modes.split(",") if args.modes else ["graph", "dropping"] if device.type == "cuda" else ["dropping"]
     rows = []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)

@@ -67,7 +67,8 @@ def main():
     choices = [data.mmlu_continuations(r, args.scoring) for r in rows]
     with tempfile.TemporaryDirectory() as tmp:
         texts = contexts + [q for rs in dev.values() for q in map(data.mmlu_question, rs)]
-        tok = M.Tokenizer(M.train_tokenizer(texts, os.path.join(tmp, "tokenizer.json"), vocab_size=16384), eos_id=0)
+        vocab = min(16384, M.read_config(args.config).vocab_size)  # ids must exist in the model's vocabulary
+        tok = M.Tokenizer(M.train_tokenizer(texts, os.path.join(tmp, "tokenizer.json"), vocab_size=vocab), eos_id=0)
     lengths = [len(tok.encode(c)) for c in contexts]
     print(f"{len(rows)} questions, prompts {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.0f})")
     table = []

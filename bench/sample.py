@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from common import M, NoStopTokenizer, add_args, build, markdown, race, setup
+from common import M, NoStopTokenizer, add_args, build, markdown, race, random_ids, setup
 from sample import generate
 
 
@@ -31,8 +31,7 @@ def main():
         _, dtype = M.resolve_device(device, dtype_name)
         ours, ref = build(args.config, dtype, device)
         for B in map(int, args.batches.split(",")):
-            g = torch.Generator().manual_seed(B)
-            prompts = torch.randint(1000, 100000, (B, args.prompt_tokens), generator=g)
+            prompts = random_ids(args.config, (B, args.prompt_tokens), seed=B)
             ids, n = prompts.to(device), args.new_tokens
             run_ref = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                            max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)

@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from common import M, add_args, build, markdown, setup, synchronize, timed
+from common import M, add_args, build, markdown, random_ids, setup, synchronize, timed
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -28,7 +28,7 @@ def worker(args, device):
     import lora
     _, dtype = M.resolve_device(device, args.dtypes)
     ours, ref = build(args.config, dtype, device)
-    ids = torch.randint(1000, 100000, (args.batch, args.length), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = random_ids(args.config, (args.batch, args.length), seed=1).to(device)
     if args.worker == "ours":
         del ref
         torch.manual_seed(0)

@@ -1,0 +1,41 @@
+"""The benchmarks on a tiny model: they run end to end, and the checks they print (ours
+against transformers / peft on the same weights) come out as they must in fp32."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bench(name, *args):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", name), "--dtypes", "fp32", "--device", "cpu", *args],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    table = [line for line in out.stdout.splitlines() if line.startswith("| fp32")]
+    assert table, out.stdout
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
+
+
+def test_sample_bench_decodes_what_transformers_decodes(tiny_model):
+    for row in bench("sample.py", "--config", tiny_model, "--batches", "1,3", "--new-tokens", "8", "--repeats", "1"):
+        assert row[-1] == "yes", row
+
+
+def test_group_bench_draws_the_same_groups_in_both_decode_loops(tiny_model):
+    rows = bench("group.py", "--config", tiny_model, "--prompts", "2", "--samples", "3", "--new-tokens", "6",
+                 "--prompt-tokens", "5", "--modes", "dropping,fixed")
+    assert [r[3] for r in rows] == ["dropping", "fixed"]
+    assert all(r[1] == "2x3" and r[-1] == "100%" for r in rows), rows
+
+
+def test_train_step_bench_starts_from_the_same_loss(tiny_model):
+    [row] = bench("train_step.py", "--config", tiny_model, "--batch", "2", "--length", "16", "--rank", "4",
+                  "--steps", "1", "--rounds", "1")
+    ours, peft = row[-1].split(" / ")
+    assert abs(float(ours) - float(peft)) < 1e-3, row
+    assert float(row[7].rstrip("x")) > 0, row  # both peaks measured (the ratio of two byte counts)
+
+
+def test_mmlu_bench_scores_what_the_loop_scores(tiny_model, data_dir):
+    [row] = bench("mmlu.py", "--config", tiny_model, "--data-dir", data_dir, "--questions", "3", "--shots", "1")
+    assert float(row[-1]) < 1e-3, row
