@@ -14,6 +14,7 @@ straggler does not make every other row pay for its tokens; on CUDA the decode s
 captured once as a CUDA graph at a fixed shape and replayed (FixedShapeDecoder), which
 matters more there than the rows saved.
 """
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -110,14 +111,16 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     draws its randomness from its own generator seeded with seed + r, so a sample does not
     depend on what else is in the batch. decode picks the decode loop: "dropping" (finished
     rows leave the batch), "fixed" (FixedShapeDecoder run eagerly), "graph" (FixedShapeDecoder
-    replaying a CUDA graph) or "auto" (graph on CUDA, dropping elsewhere); all four return
-    the same tokens. Returns a list of Rollout, prompt-major.
+    replaying a CUDA graph) or "auto" ($STATES_DECODE if set, else graph on CUDA and dropping
+    elsewhere); all of them return the same tokens. Returns a list of Rollout, prompt-major.
     """
     device = model.lm_head.weight.device
     if decode == "auto":
-        decode = "graph" if device.type == "cuda" else "dropping"
+        # $STATES_DECODE overrides the default for every script at once, e.g. to turn the
+        # CUDA graph off without touching code
+        decode = os.environ.get("STATES_DECODE") or ("graph" if device.type == "cuda" else "dropping")
     if decode not in ("dropping", "fixed", "graph"):
-        raise ValueError(f"decode={decode!r}: use 'auto', 'dropping', 'fixed' or 'graph'")
+        raise ValueError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed' or 'graph'")
     if decode == "graph" and device.type != "cuda":
         raise ValueError(f"decode='graph' needs a CUDA device, the model is on {device}; use decode='fixed' or 'auto'")
     prompt_ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]

@@ -117,3 +117,16 @@ def test_fixed_shape_decode_equals_dropping_finished_rows(tiny_model, loaded, mo
     if mode == "fixed":
         with pytest.raises(ValueError, match="needs a CUDA device"):
             generate(ours, tok, PROMPTS, max_new_tokens=2, decode="graph")
+
+
+def test_states_decode_overrides_the_default_loop(loaded, monkeypatch):
+    ours, tok = loaded
+    monkeypatch.setenv("STATES_DECODE", "graph")
+    with pytest.raises(ValueError, match="needs a CUDA device"):  # the variable was read
+        generate(ours, tok, PROMPTS, max_new_tokens=2)
+    monkeypatch.setenv("STATES_DECODE", "fast")
+    with pytest.raises(ValueError, match="STATES_DECODE"):
+        generate(ours, tok, PROMPTS, max_new_tokens=2)
+    monkeypatch.setenv("STATES_DECODE", "fixed")
+    assert [r.completion_ids for r in generate(ours, tok, PROMPTS, max_new_tokens=6, temperature=0)] == \
+        [r.completion_ids for r in generate(ours, tok, PROMPTS, max_new_tokens=6, temperature=0, decode="dropping")]
