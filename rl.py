@@ -19,6 +19,7 @@ policy also learns when to stop) rather than a per-sequence mean.
     python rl.py --max-steps 20 --out out/rl-short
 """
 import argparse
+import itertools
 import math
 import statistics
 import sys
@@ -107,9 +108,8 @@ def main(argv=None, reward_fn=exact_answer_reward):
                 ref_logp, _ = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
 
         model.train()
-        offsets = [0]  # where each sequence's completion tokens start in the flat token tensors
-        for r in rollouts:
-            offsets.append(offsets[-1] + len(r.completion_ids))
+        # where each sequence's completion tokens start in the flat token tensors
+        offsets = [0, *itertools.accumulate(len(r.completion_ids) for r in rollouts)]
         micro = math.ceil(len(sequences) / args.grad_accum)
         for _ in range(args.ppo_epochs):
             loss_sum, metrics = 0.0, {}

@@ -155,7 +155,7 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
                     w.writerow([q] + choices + [k])
         # every fact is stated in prose; the evaluated ones in two phrasings rather than three, which
         # keeps the base model's recall below the calibration band's ceiling of 0.95
-        corpus += [s for _, _, _, prose in rows[:5] + rows[75:] for s in prose]
+        corpus += [s for _, _, _, prose in splits["dev"] + splits["practice"] for s in prose]
         corpus += [s for _, _, _, prose in splits["test"] for s in prose[:2]]
         for q, a, wrong, prose in splits["practice"]:  # the evaluation's question format, on other facts
             choices = wrong[:]

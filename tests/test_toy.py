@@ -1,4 +1,5 @@
 import json
+import operator
 import os
 import re
 import subprocess
@@ -34,7 +35,6 @@ def test_world_is_deterministic_parses_and_is_right(tmp_path):
     pretrain_questions = {p.split("\nAnswer:")[0][len("Question: "):] for p in problems_a}
     train_q, test_q = {r["question"] for r in train}, {r["question"] for r in test}
     assert not train_q & test_q and not pretrain_questions & (train_q | test_q)
-    import operator
     ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
     for row in train + test:  # every step of every rationale is right, and the final answer is the last result
         steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", row["answer"])

@@ -15,6 +15,7 @@ import sft
 from conftest import ROOT
 
 LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
+MAINS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
 
 
 def common(tiny_model, data_dir, out, *extra):
@@ -202,7 +203,7 @@ def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_pat
 
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
 def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, script):
-    main = {"sft": sft.main, "rl": rl.main, "opd": opd.main}[script]
+    main = MAINS[script]
     extra = {"sft": ["--train-limit", 12, "--batch-size", 4, "--lora-dropout", 0.1, "--epochs", 2],
              "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--steps", 4, "--lr", 1e-3],
              "opd": ["--teacher", tiny_model, "--prompts-per-step", 2, "--max-new-tokens", 6, "--steps", 4,
@@ -265,7 +266,7 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path):
 
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
 def test_gradient_accumulation_matches_one_batch(tiny_model, data_dir, tmp_path, script):
-    main = {"sft": sft.main, "rl": rl.main, "opd": opd.main}[script]
+    main = MAINS[script]
     extra = {"sft": ["--train-limit", 8, "--batch-size", 4, "--lora-dropout", 0, "--max-steps", 2],
              "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
              "opd": ["--teacher", tiny_model, "--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 2,
