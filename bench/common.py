@@ -52,6 +52,12 @@ def build(config_dir, dtype, device, seed=0):
     return ours.eval(), ref
 
 
+def decode_modes(device, given=None):
+    """Which of sample.generate's decode loops a benchmark times: the given comma-separated
+    list, else the captured graph and the eager loop on CUDA, the eager loop elsewhere."""
+    return given.split(",") if given else ["graph", "dropping"] if device.type == "cuda" else ["dropping"]
+
+
 def random_ids(config_dir, shape, seed):
     """Token ids for random-weight models: any id in the vocabulary will do."""
     return torch.randint(0, M.read_config(config_dir).vocab_size, shape, generator=torch.Generator().manual_seed(seed))

@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from common import M, NoStopTokenizer, add_args, build, markdown, race, random_ids, setup
+from common import M, NoStopTokenizer, add_args, build, decode_modes, markdown, race, random_ids, setup
 from sample import generate
 
 
@@ -32,7 +32,7 @@ def main():
     B, n, T = args.prompts, args.samples, args.new_tokens
     prompts = random_ids(args.config, (B, args.prompt_tokens), seed=0)
     ids = prompts.to(device)
-    modes = args.modes.split(",") if args.modes else ["graph", "dropping"] if device.type == "cuda" else ["dropping"]
+    modes = decode_modes(device, args.modes)
     rows = []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)

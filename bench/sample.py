@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from common import M, NoStopTokenizer, add_args, build, markdown, race, random_ids, setup
+from common import M, NoStopTokenizer, add_args, build, decode_modes, markdown, race, random_ids, setup
 from sample import generate
 
 
@@ -25,7 +25,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed rounds, implementations taking turns; the best counts")
     args = p.parse_args()
     device = setup(args)
-    modes = ["graph", "dropping"] if device.type == "cuda" else ["dropping"]
+    modes = decode_modes(device)
     rows = []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)

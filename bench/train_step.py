@@ -20,12 +20,10 @@ import sys
 import torch
 
 from common import M, add_args, build, markdown, random_ids, setup, synchronize, timed
-
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+import lora  # noqa: E402  (common put the repository on the path)
 
 
 def worker(args, device):
-    import lora
     _, dtype = M.resolve_device(device, args.dtypes)
     ours, ref = build(args.config, dtype, device)
     ids = random_ids(args.config, (args.batch, args.length), seed=1).to(device)
@@ -49,7 +47,7 @@ def worker(args, device):
         del ours
         torch.manual_seed(0)
         model = get_peft_model(ref, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
-                                               target_modules=TARGETS))
+                                               target_modules=list(lora.TARGETS)))
         model.train()
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
