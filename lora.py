@@ -302,6 +302,9 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--warmup", type=float, default=warmup, help="fraction of steps with linear warmup, then cosine decay")
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
     p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each layer's matrix products and attention outputs for the backward pass and "
+                        "recompute the rest: less activation memory for a little more time, the same gradients")
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0 = the full run)")
     p.add_argument("--save-every", type=int, default=50, help="write a checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")

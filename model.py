@@ -187,6 +187,34 @@ class Body(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+_ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+    if hasattr(torch.ops.aten, name)}
+
+
+def keep_costly(ctx, op, *args, **kwargs):
+    """Which results of a layer's forward pass to keep for the backward pass (Qwen3.recompute).
+    Kept: attention, and every matrix product over an inner dimension above 128, the
+    products with the model's own weights. Recomputed: norms, rotary, SiLU, products,
+    sums and LoRA's rank-r products, whose outputs cost as much memory as a weight
+    product's but only a few operations per element to redo. Elementwise kernels are
+    deterministic, so the gradients are the same to the bit."""
+    from torch.utils.checkpoint import CheckpointPolicy
+    aten = torch.ops.aten
+    if op in _ATTENTION_OPS:
+        return CheckpointPolicy.MUST_SAVE
+    if op in (aten.mm.default, aten.bmm.default) and args[0].shape[-1] > 128:
+        return CheckpointPolicy.MUST_SAVE
+    if op == aten.addmm.default and args[1].shape[-1] > 128:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute_elementwise():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(keep_costly)
+
+
 class Qwen3(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -195,6 +223,9 @@ class Qwen3(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # True: in training passes each layer keeps only its matrix products and attention
+        # outputs for the backward pass and recomputes the elementwise rest (see keep_costly)
+        self.recompute = False
 
     def forward(self, input_ids, attention_mask=None, cache=None, hidden_only=False):
         """input_ids (B, T). attention_mask (B, past+T) of 1 for real tokens and 0 for left
@@ -222,8 +253,13 @@ class Qwen3(nn.Module):
             mask = (mask | (k_idx == q_idx)[None])[:, None]  # (B, 1, T, S)
         x = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        recompute = self.recompute and cache is None and torch.is_grad_enabled()
         for layer in self.model.layers:
-            x = layer(x, cos, sin, mask, cache)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False,
+                                                      context_fn=recompute_elementwise)
+            else:
+                x = layer(x, cos, sin, mask, cache)
         if cache is not None:
             cache.length += T
         x = self.model.norm(x)

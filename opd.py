@@ -101,6 +101,7 @@ def main(argv=None):
     run = lora.RunFolder(args.out, args, args.resume)
     torch.manual_seed(args.seed)  # the initial LoRA A matrices
     lora.add_lora(model, args.rank, args.alpha, args.lora_dropout, name="default")  # the student
+    model.recompute = args.recompute
     rows = data.load_gsm8k("train", args.data_dir)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     start = run.resume(model, optimizer) if args.resume else 0

@@ -82,6 +82,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
     model, tok = M.load(args.model, device, dtype)
     torch.manual_seed(args.seed)  # the initial LoRA A matrices
     lora.add_lora(model, args.rank, args.alpha, args.lora_dropout)
+    model.recompute = args.recompute
     rows = data.load_gsm8k("train", args.data_dir)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     start = run.resume(model, optimizer) if args.resume else 0

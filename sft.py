@@ -63,6 +63,7 @@ def main(argv=None):
     model, tok = M.load(args.model, device, dtype)
     torch.manual_seed(args.seed)  # the initial LoRA A matrices
     lora.add_lora(model, args.rank, args.alpha, args.lora_dropout)
+    model.recompute = args.recompute
 
     # the state source: (prompt, gold answer + end-of-text) pairs from the dataset
     rows = data.load_gsm8k("train", args.data_dir)

@@ -2,12 +2,13 @@
 One LoRA training step against transformers + peft: batch 4 x 256 tokens, rank 16 on all
 seven linear layers of every block, forward, backward and AdamW step, on the same random
 Qwen3-0.6B-shape weights. Ours is what sft.py runs: hidden states from the body, then
-log-probs in checkpointed vocabulary chunks (model.token_logprobs), never the full
-[B, T, 151,936] logits. The reference is peft's get_peft_model on Qwen3ForCausalLM with
-labels, transformers' own loss. Each side runs in its own process. Peak memory is the most
-held at once during a step beyond what was held before it: on CUDA the allocator's count,
-on the CPU the profiler's record of every allocation and free. The first-step
-losses of the two must agree (the LoRA B matrices start at zero, so both see the base model).
+log-probs in vocabulary chunks (model.token_logprobs), never the full [B, T, 151,936]
+logits; it runs twice, as sft.py runs by default and with --recompute (each layer keeps
+only its matrix products and attention outputs for the backward pass). The reference is
+peft's get_peft_model on Qwen3ForCausalLM with labels, transformers' own loss. Each side
+runs in its own process. Peak memory is the most held at once during a step beyond what
+was held before it: on CUDA the allocator's count, on the CPU the profiler's record of
+every allocation and free. The first-step losses of the two must agree (the LoRA B matrices start at zero, so both see the base model).
 
     python bench/train_step.py
     python bench/train_step.py --dtypes bf16 --steps 1
@@ -27,11 +28,12 @@ def worker(args, device):
     _, dtype = M.resolve_device(device, args.dtypes)
     ours, ref = build(args.config, dtype, device)
     ids = random_ids(args.config, (args.batch, args.length), seed=1).to(device)
-    if args.worker == "ours":
+    if args.worker in ("ours", "ours-recompute"):
         del ref
         torch.manual_seed(0)
         lora.add_lora(ours, args.rank, 2 * args.rank)
         ours.train()
+        ours.recompute = args.worker == "ours-recompute"  # sft.py --recompute
         optimizer = torch.optim.AdamW(lora.lora_parameters(ours), lr=1e-4)
         seqs = ids.tolist()
 
@@ -92,7 +94,7 @@ def main():
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--steps", type=int, default=2, help="timed steps after one warm-up step; the best counts")
     p.add_argument("--rounds", type=int, default=2, help="worker processes per side, taking turns; the fastest counts")
-    p.add_argument("--worker", choices=["ours", "ref"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["ours", "ours-recompute", "ref"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker(args, M.resolve_device(args.device)[0])
@@ -101,7 +103,7 @@ def main():
     for dtype_name in args.dtypes.split(","):
         result = {}
         for _ in range(args.rounds):  # the two sides take turns, so a slow spell of the machine hits both
-            for side in ("ours", "ref"):
+            for side in ("ours", "ours-recompute", "ref"):
                 cmd = [sys.executable, __file__, "--worker", side, "--dtypes", dtype_name, "--config", args.config,
                        "--device", str(device), "--batch", str(args.batch), "--length", str(args.length),
                        "--rank", str(args.rank), "--steps", str(args.steps)]
@@ -111,14 +113,16 @@ def main():
                 got = json.loads(out.stdout.strip().splitlines()[-1])
                 if side not in result or got["seconds"] < result[side]["seconds"]:
                     result[side] = got
-        o, r = result["ours"], result["ref"]
-        rows.append((dtype_name, f"{args.batch}x{args.length}", f"{o['seconds']:.3f}", f"{r['seconds']:.3f}",
-                     f"{r['seconds'] / o['seconds']:.2f}x", f"{o['peak'] / 2**20:.0f}", f"{r['peak'] / 2**20:.0f}",
-                     f"{o['peak'] / r['peak']:.2f}x", f"{o['first_loss']:.4f} / {r['first_loss']:.4f}"))
-        print(" ".join(rows[-1]), flush=True)
+        r = result["ref"]
+        for side, recompute in (("ours", "no"), ("ours-recompute", "yes")):
+            o = result[side]
+            rows.append((dtype_name, f"{args.batch}x{args.length}", recompute, f"{o['seconds']:.3f}", f"{r['seconds']:.3f}",
+                         f"{r['seconds'] / o['seconds']:.2f}x", f"{o['peak'] / 2**20:.0f}", f"{r['peak'] / 2**20:.0f}",
+                         f"{o['peak'] / r['peak']:.2f}x", f"{o['first_loss']:.4f} / {r['first_loss']:.4f}"))
+            print(" ".join(rows[-1]), flush=True)
     print()
-    print(markdown(["dtype", "batch", "ours s/step", "peft s/step", "speed ratio", "ours peak MiB", "peft peak MiB",
-                    "memory ratio", "first loss ours / peft"], rows))
+    print(markdown(["dtype", "batch", "recompute", "ours s/step", "peft s/step", "speed ratio", "ours peak MiB",
+                    "peft peak MiB", "memory ratio", "first loss ours / peft"], rows))
 
 
 if __name__ == "__main__":

@@ -191,3 +191,37 @@ def test_our_writer_round_trips_and_transformers_opens_it(tiny_model, tmp_path):
             ref = Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
             assert (ref(input_ids=ids).logits - ours(ids)).abs().max() < 1e-4
         assert tok.eos_id == 0
+
+
+def bytes_kept(fn):
+    """(fn(), bytes allocated while fn ran and still held after it): for a forward pass on
+    the CPU, what it keeps for the backward pass plus its outputs."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return out, sum(e.self_cpu_memory_usage for e in prof.events())
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model, dropout):
+    import lora
+    m, tok = M.load(tiny_model)
+    torch.manual_seed(0)
+    lora.add_lora(m, rank=4, alpha=8, dropout=dropout)
+    with torch.no_grad():
+        for p in lora.lora_parameters(m):
+            p.normal_(0, 0.1)  # B = 0 would make every LoRA gradient but B's vanish
+    m.train()
+    seqs = [tok.encode(f"Question: {i} apples and {i + 3} pears cost {7 * i} dollars.\nAnswer: yes") for i in range(6)]
+    results = {}
+    for recompute in (False, True):
+        m.recompute = recompute
+        torch.manual_seed(1)  # the same dropout masks in both passes
+        logp, kept = bytes_kept(lambda: M.sequence_logprobs(m, seqs, [3] * len(seqs))[0])
+        (-logp.mean()).backward()
+        results[recompute] = logp.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}, kept
+        m.zero_grad(set_to_none=True)
+    (logp0, grads0, kept0), (logp1, grads1, kept1) = results[False], results[True]
+    assert torch.equal(logp0, logp1)
+    assert grads0.keys() == grads1.keys() and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    assert kept1 < 0.75 * kept0, (kept1, kept0)

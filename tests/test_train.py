@@ -278,3 +278,23 @@ def test_gradient_accumulation_matches_one_batch(tiny_model, data_dir, tmp_path,
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)
     la, lb = read_log(tmp_path / "one"), read_log(tmp_path / "split")
     assert all(abs(x["loss"] - y["loss"]) < 1e-5 for x, y in zip(la, lb))
+
+
+@pytest.mark.parametrize("script", ["sft", "rl", "opd"])
+def test_recompute_trains_the_same_adapter(tiny_model, data_dir, tmp_path, script, monkeypatch):
+    main = MAINS[script]
+    recomputed_layers = []
+    context = M.recompute_elementwise
+    monkeypatch.setattr(M, "recompute_elementwise", lambda: recomputed_layers.append(1) or context())
+    extra = {"sft": ["--train-limit", 8, "--batch-size", 4, "--max-steps", 2],  # with sft's default LoRA dropout
+             "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
+             "opd": ["--teacher", tiny_model, "--prompts-per-step", 2, "--max-new-tokens", 6, "--max-steps", 2,
+                     "--lr", 1e-3]}[script]
+    main(common(tiny_model, data_dir, tmp_path / "plain", *extra))
+    assert not recomputed_layers
+    main(common(tiny_model, data_dir, tmp_path / "recompute", *extra, "--recompute"))
+    assert recomputed_layers  # the flag reached the model's training passes
+    a, b = adapter_tensors(tmp_path / "plain"), adapter_tensors(tmp_path / "recompute")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)
+    assert json.loads((tmp_path / "recompute" / "run.json").read_text())["recompute"] is True
