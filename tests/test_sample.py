@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import model as M
-from sample import filter_logits, generate
+from sample import draw, filter_logits, generate
 
 PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
            "Question: Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes.\nAnswer:"]
@@ -92,6 +92,32 @@ def test_filter_logits():
     kept = ~torch.isinf(filter_logits(logits, top_p=float(p[0]) + 0.01)[0])
     assert kept.tolist() == [True, True, False, False]
     assert (~torch.isinf(filter_logits(logits, top_p=0.01)[0])).sum() == 1
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 40, 1.0), (1.3, 0, 0.9)])
+def test_draw_equals_softmax_sampling(temperature, top_k, top_p):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 1000, generator=g) * 3
+    uniforms = torch.rand(64, generator=g)
+    tokens, logprobs = draw(logits, temperature, top_k, top_p, uniforms)
+    # the plain path: normalised probabilities of the tempered, filtered logits, inverse CDF
+    probs = filter_logits(logits / temperature, top_k, top_p).softmax(-1)
+    cdf = probs.cumsum(-1)
+    assert torch.equal(tokens, torch.searchsorted(cdf, uniforms[:, None]).squeeze(-1).clamp(max=999))
+    # recorded log-probs are the model's own: temperature 1, unfiltered
+    assert torch.allclose(logprobs, logits.log_softmax(-1).gather(-1, tokens[:, None]).squeeze(-1), atol=1e-5)
+    greedy, greedy_logprobs = draw(logits, 0.0)
+    assert torch.equal(greedy, logits.argmax(-1))
+    assert torch.allclose(greedy_logprobs, logits.log_softmax(-1).amax(-1), atol=1e-5)
+
+
+def test_draw_without_uniforms_follows_the_tempered_distribution():
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]]).expand(40_000, 4)
+    tokens, _ = draw(logits, temperature=0.5, top_k=3)
+    frequencies = torch.bincount(tokens, minlength=4) / len(tokens)
+    expected = torch.tensor([2.0, 1.0, 0.0]).div(0.5).softmax(-1)
+    assert frequencies[3] == 0 and (frequencies[:3] - expected).abs().max() < 0.01
 
 
 # the CUDA graph variant runs where a GPU is present (bench/all.sh's machine); the eager
