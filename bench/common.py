@@ -46,10 +46,15 @@ def build(config_dir, dtype, device, seed=0):
     with torch.device(device):  # random init where the model lives: seconds on a GPU, not a minute
         ref = Qwen3ForCausalLM(Qwen3Config.from_pretrained(config_dir))
     ref = ref.to(dtype).eval()
+    return ours_on(ref, config_dir), ref
+
+
+def ours_on(ref, config_dir):
+    """Our model reading the tensors of transformers' model ref."""
     with torch.device("meta"):
         ours = M.Qwen3(M.read_config(config_dir))
     M.load_weights(ours, dict(ref.state_dict()), "transformers model")
-    return ours.eval(), ref
+    return ours.eval()
 
 
 def decode_modes(device, given=None):

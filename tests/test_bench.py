@@ -29,11 +29,13 @@ def test_group_bench_draws_the_same_groups_in_both_decode_loops(tiny_model):
 
 
 def test_train_step_bench_starts_from_the_same_loss(tiny_model):
-    [row] = bench("train_step.py", "--config", tiny_model, "--batch", "2", "--length", "16", "--rank", "4",
-                  "--steps", "1", "--rounds", "1")
-    ours, peft = row[-1].split(" / ")
-    assert abs(float(ours) - float(peft)) < 1e-3, row
-    assert float(row[7].rstrip("x")) > 0, row  # both peaks measured (the ratio of two byte counts)
+    rows = bench("train_step.py", "--config", tiny_model, "--batch", "2", "--length", "16", "--rank", "4", "--steps", "1")
+    assert [r[2] for r in rows] == ["no", "yes"], rows  # sft.py's default, then --recompute
+    for row in rows:
+        ours, peft = row[-1].split(" / ")
+        assert abs(float(ours) - float(peft)) < 1e-3, row
+        assert float(row[8].rstrip("x")) > 0, row  # both peaks measured (the ratio of two byte counts)
+    assert int(rows[1][6]) <= int(rows[0][6]), rows  # recomputing never holds more
 
 
 def test_mmlu_bench_scores_what_the_loop_scores(tiny_model, data_dir):
