@@ -195,11 +195,12 @@ _ATTENTION_OPS = {getattr(torch.ops.aten, name).default for name in (
 
 def keep_costly(ctx, op, *args, **kwargs):
     """Which results of a layer's forward pass to keep for the backward pass (Qwen3.recompute).
-    Kept: attention, and every matrix product over an inner dimension above 128, the
-    products with the model's own weights. Recomputed: norms, rotary, SiLU, products,
-    sums and LoRA's rank-r products, whose outputs cost as much memory as a weight
-    product's but only a few operations per element to redo. Elementwise kernels are
-    deterministic, so the gradients are the same to the bit."""
+    Kept: attention, and every matrix product over an inner dimension above 128, which
+    are the products with the model's own weights (and LoRA's A side, whose output is
+    only rank wide). Recomputed: norms, rotary, SiLU, elementwise products and sums, and
+    LoRA's B-side products over its rank (up to 128), whose outputs take as much memory as
+    a weight product's but cost only a few operations per element to redo. Recomputing
+    runs the same kernels on the same inputs, so the gradients are the same to the bit."""
     from torch.utils.checkpoint import CheckpointPolicy
     aten = torch.ops.aten
     if op in _ATTENTION_OPS:
