@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+from torch.utils.checkpoint import CheckpointPolicy
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B-Base"
 
@@ -201,7 +202,6 @@ def keep_costly(ctx, op, *args, **kwargs):
     LoRA's B-side products over its rank (up to 128), whose outputs take as much memory as
     a weight product's but cost only a few operations per element to redo. Recomputing
     runs the same kernels on the same inputs, so the gradients are the same to the bit."""
-    from torch.utils.checkpoint import CheckpointPolicy
     aten = torch.ops.aten
     if op in _ATTENTION_OPS:
         return CheckpointPolicy.MUST_SAVE

@@ -33,15 +33,7 @@ def our_step(ref, config_dir, ids, rank, recompute):
     model.recompute = recompute  # sft.py --recompute
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-4)
     seqs = ids.tolist()
-
-    def step():
-        logp, _ = M.sequence_logprobs(model, seqs, [1] * len(seqs))
-        loss = -logp.mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-    return step
+    return training_step(lambda: -M.sequence_logprobs(model, seqs, [1] * len(seqs))[0].mean(), optimizer)
 
 
 def peft_step(ref, ids, rank):
@@ -51,9 +43,13 @@ def peft_step(ref, ids, rank):
                                            target_modules=list(lora.TARGETS)))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    return training_step(lambda: model(input_ids=ids, labels=ids).loss, optimizer)
 
+
+def training_step(compute_loss, optimizer):
+    """One step as a function of no arguments: loss, backward, AdamW; returns the loss."""
     def step():
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = compute_loss()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
