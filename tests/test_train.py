@@ -201,13 +201,17 @@ def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_pat
         assert any(s[:len(prefix)] == prefix for s in states) and seq[len(prefix):] == cont.completion_ids
 
 
+def short_run(script, tiny_model):
+    """Flags for a four-step run of script that trains visibly (LoRA dropout on in sft)."""
+    return {"sft": ["--train-limit", 12, "--batch-size", 4, "--lora-dropout", 0.1, "--epochs", 2],
+            "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--steps", 4, "--lr", 1e-3],
+            "opd": ["--teacher", tiny_model, "--prompts-per-step", 2, "--max-new-tokens", 6, "--steps", 4,
+                    "--continuation-tokens", 4, "--lr", 1e-3]}[script]
+
+
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
 def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, script):
-    main = MAINS[script]
-    extra = {"sft": ["--train-limit", 12, "--batch-size", 4, "--lora-dropout", 0.1, "--epochs", 2],
-             "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--steps", 4, "--lr", 1e-3],
-             "opd": ["--teacher", tiny_model, "--prompts-per-step", 2, "--max-new-tokens", 6, "--steps", 4,
-                     "--continuation-tokens", 4, "--lr", 1e-3]}[script]
+    main, extra = MAINS[script], short_run(script, tiny_model)
     main(common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 4, "--save-every", 2))
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 2, "--save-every", 2))
     with pytest.raises(SystemExit, match="already holds a trained run"):
@@ -286,10 +290,7 @@ def test_recompute_trains_the_same_adapter(tiny_model, data_dir, tmp_path, scrip
     recomputed_layers = []
     context = M.recompute_elementwise
     monkeypatch.setattr(M, "recompute_elementwise", lambda: recomputed_layers.append(1) or context())
-    extra = {"sft": ["--train-limit", 8, "--batch-size", 4, "--max-steps", 2],  # with sft's default LoRA dropout
-             "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
-             "opd": ["--teacher", tiny_model, "--prompts-per-step", 2, "--max-new-tokens", 6, "--max-steps", 2,
-                     "--lr", 1e-3]}[script]
+    extra = [*short_run(script, tiny_model), "--max-steps", 2]
     main(common(tiny_model, data_dir, tmp_path / "plain", *extra))
     assert not recomputed_layers
     main(common(tiny_model, data_dir, tmp_path / "recompute", *extra, "--recompute"))
