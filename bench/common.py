@@ -39,8 +39,8 @@ def setup(args):
 
 
 def build(config_dir, dtype, device, seed=0):
-    """transformers' Qwen3ForCausalLM with random weights, and ours sharing its tensors
-    (no second copy in memory, and certainly the same weights)."""
+    """transformers' Qwen3ForCausalLM with random weights, and ours on the same values
+    (see ours_on)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     torch.manual_seed(seed)
     with torch.device(device):  # random init where the model lives: seconds on a GPU, not a minute
@@ -50,7 +50,9 @@ def build(config_dir, dtype, device, seed=0):
 
 
 def ours_on(ref, config_dir):
-    """Our model reading the tensors of transformers' model ref."""
+    """Our model reading the tensors of transformers' model ref: the very same tensors
+    where the memory layouts agree, else its own copy laid out as model.load() lays it
+    out (column-major on the CPU in fp32, see model.lay_out_weights), as a user gets it."""
     with torch.device("meta"):
         ours = M.Qwen3(M.read_config(config_dir))
     M.load_weights(ours, dict(ref.state_dict()), "transformers model")

@@ -193,6 +193,25 @@ def test_our_writer_round_trips_and_transformers_opens_it(tiny_model, tmp_path):
         assert tok.eos_id == 0
 
 
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_weights_are_laid_out_per_dtype_and_compute_the_same(tiny_models, name):
+    ours, tok = M.load(tiny_models[name])
+    linears = [m.weight for m in ours.modules() if isinstance(m, torch.nn.Linear)]
+    # fp32 on the CPU: column-major, the order MKL's few-row products read fastest
+    assert all(w.stride() == (1, w.shape[0]) for w in linears)
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == (name == "tied")
+    ids = torch.tensor([tok.encode("Question: 12 eggs, 5 eaten. How many left?\nAnswer:")])
+    with torch.no_grad():
+        column_major = ours(ids)
+        for w in linears:
+            w.data = w.data.contiguous()
+        assert (ours(ids) - column_major).abs().max() < 1e-5
+    again = M.lay_out_weights(ours)
+    assert all(w.stride() == (1, w.shape[0]) for w in linears) and again is ours
+    bf16, _ = M.load(tiny_models[name], dtype="bf16")
+    assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
+
+
 def bytes_kept(fn):
     """(fn(), bytes allocated while fn ran and still held after it): for a forward pass on
     the CPU, what it keeps for the backward pass plus its outputs."""
