@@ -575,12 +575,11 @@ def lay_out_weights(model):
     """Store each nn.Linear weight (out, in) in the memory order that the device's matrix
     kernels read fastest; values never change, only strides. On the CPU in fp32 that is
     column-major (the storage of an (in, out) matrix): MKL multiplies a few rows by such a
-    matrix far faster than by a row-major one, which is what decoding does (8 rows: the
-    products of all 28 layers of Qwen3-0.6B took 147 instead of 199 ms, the output layer
-    41 instead of 76 ms), and about as fast at training sizes (1,024 rows: 3% faster
-    forward, 4% slower for the gradient of the input). In bf16 the row-major order is the
-    faster one (oneDNN), and on CUDA weights stay as loaded. A tied output layer takes the
-    embedding with it, whose row lookups barely notice."""
+    matrix far faster than by a row-major one, which is what decoding does (8 rows of
+    Qwen3-0.6B decode 1.5x faster), and about as fast at training sizes. In bf16 the
+    row-major order is the faster one (oneDNN's kernels), and on CUDA weights stay as
+    loaded. bench/layout.py measures both orders on any machine. A tied output layer takes
+    the embedding with it, whose row lookups barely notice."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             w = module.weight

@@ -7,8 +7,10 @@ logits; it runs twice, as sft.py runs by default and with --recompute (each laye
 only its weight products and attention outputs for the backward pass). The reference is
 peft's get_peft_model on Qwen3ForCausalLM with labels, transformers' own loss.
 
-All three share the base weights in one process and take turns step by step, so a slow
-spell of the machine hits each of them; the fastest step of each counts. Peak memory is
+All three run in one process on the same base weights (both of ours on one copy laid out
+as model.load() lays it out, column-major on the CPU in fp32; peft on transformers' own
+tensors) and take turns step by step, so a slow spell of the machine hits each of them;
+the fastest step of each counts. Peak memory is
 the most held at once during a step beyond what was held before it: on CUDA the
 allocator's count, on the CPU the profiler's record of every allocation and free. The
 first-step losses must agree (the LoRA B matrices start at zero, so all see the base model).
@@ -24,9 +26,9 @@ from common import M, add_args, build, markdown, ours_on, race, random_ids, setu
 import lora  # noqa: E402  (common put the repository on the path)
 
 
-def our_step(ref, config_dir, ids, rank, recompute):
-    """sft.py's step on our model, reading ref's (frozen) weights, with its own adapter."""
-    model = ours_on(ref, config_dir)
+def our_step(base, config_dir, ids, rank, recompute):
+    """sft.py's step on our model, reading base's (frozen) weights, with its own adapter."""
+    model = ours_on(base, config_dir)
     torch.manual_seed(0)
     lora.add_lora(model, rank, 2 * rank)
     model.train()
@@ -90,10 +92,10 @@ def main():
     rows = []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)
-        _, ref = build(args.config, dtype, device)
+        base, ref = build(args.config, dtype, device)
         ids = random_ids(args.config, (args.batch, args.length), seed=1).to(device)
         # ours first: peft wraps ref's modules in place
-        steps = [our_step(ref, args.config, ids, args.rank, recompute) for recompute in (False, True)]
+        steps = [our_step(base, args.config, ids, args.rank, recompute) for recompute in (False, True)]
         steps.append(peft_step(ref, ids, args.rank))
         first_losses = [step() for step in steps]  # warm-up; creates the optimizer states, which all then hold
         seconds, _ = race(steps, device, args.steps)
@@ -103,7 +105,7 @@ def main():
                          f"{seconds[2] / seconds[i]:.2f}x", f"{peaks[i] / 2**20:.0f}", f"{peaks[2] / 2**20:.0f}",
                          f"{peaks[i] / peaks[2]:.2f}x", f"{first_losses[i]:.4f} / {first_losses[2]:.4f}"))
             print(" ".join(rows[-1]), flush=True)
-        del steps, ref
+        del steps, base, ref
     print()
     print(markdown(["dtype", "batch", "recompute", "ours s/step", "peft s/step", "speed ratio", "ours peak MiB",
                     "peft peak MiB", "memory ratio", "first loss ours / peft"], rows))

@@ -41,3 +41,10 @@ def test_train_step_bench_starts_from_the_same_loss(tiny_model):
 def test_mmlu_bench_scores_what_the_loop_scores(tiny_model, data_dir):
     [row] = bench("mmlu.py", "--config", tiny_model, "--data-dir", data_dir, "--questions", "3", "--shots", "1")
     assert float(row[-1]) < 1e-3, row
+
+
+def test_layout_bench_computes_the_same_in_both_orders(tiny_model):
+    rows = bench("layout.py", "--config", tiny_model, "--batches", "1,3", "--new-tokens", "6", "--train", "2x16",
+                 "--rank", "4", "--repeats", "1")
+    assert [r[1] for r in rows] == ["decode, batch 1", "decode, batch 3", "LoRA forward+backward, 2x16"], rows
+    assert all(r[-1] == "yes" and float(r[4].rstrip("x")) > 0 for r in rows), rows

@@ -1,0 +1,90 @@
+"""
+What model.lay_out_weights buys on this machine: our own model with every linear weight
+row-major, as checkpoints store it (out, in), against the very same values column-major
+(the order load() picks on the CPU in fp32), the two taking turns in one run. Greedy
+decode at 1 and 8 rows (as bench/sample.py) and 64 rows (RL's 8 x 8 group sampling), and
+one LoRA forward and backward at 4 x 256 tokens (as bench/train_step.py, without the
+optimizer). Prints seconds and the ratio row-major / column-major (above 1: column-major
+is faster). Which order is faster is a property of the CPU's matrix kernels, so on other
+hardware run this before trusting the choice load() makes.
+
+    python bench/layout.py
+    python bench/layout.py --dtypes fp32,bf16 --batches 8
+"""
+import argparse
+
+import torch
+
+from common import M, NoStopTokenizer, add_args, build, markdown, ours_on, race, random_ids, setup
+import lora  # noqa: E402  (common put the repository on the path)
+from sample import generate
+
+
+def laid_out(ref, config_dir, column_major):
+    """Our model on ref's values with every linear weight in the given memory order."""
+    model = ours_on(ref, config_dir)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            w = module.weight.data
+            module.weight.data = w.t().contiguous().t() if column_major else w.contiguous()
+    return model
+
+
+def lora_forward_backward(model, ids, rank):
+    torch.manual_seed(0)
+    lora.add_lora(model, rank, 2 * rank)
+    model.train()
+    seqs = ids.tolist()
+
+    def step():
+        loss = -M.sequence_logprobs(model, seqs, [1] * len(seqs))[0].mean()
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_args(p, dtypes="fp32")
+    p.add_argument("--batches", default="1,8,64", help="rows decoded at once")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--train", default="4x256", help="batch x length of the LoRA forward and backward; 0 to skip")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds, the two layouts taking turns; the best counts")
+    args = p.parse_args()
+    device = setup(args)
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        _, dtype = M.resolve_device(device, dtype_name)
+        _, ref = build(args.config, dtype, device)
+        models = [laid_out(ref, args.config, column_major) for column_major in (False, True)]
+        del ref
+        with torch.no_grad():
+            for B in map(int, args.batches.split(",")):
+                prompts = random_ids(args.config, (B, 32), seed=B).tolist()
+                runs = [lambda m=m: generate(m, NoStopTokenizer(), prompts, max_new_tokens=args.new_tokens,
+                                             temperature=0) for m in models]
+                for run in runs:
+                    run()  # warm-up
+                (t_row, t_col), (out_row, out_col) = race(runs, device, args.repeats)
+                same = [r.completion_ids for r in out_row] == [r.completion_ids for r in out_col]
+                rows.append((dtype_name, f"decode, batch {B}", f"{t_row:.2f}", f"{t_col:.2f}", f"{t_row / t_col:.2f}x",
+                             "yes" if same else "no"))
+                print(*rows[-1], flush=True)
+        if args.train != "0":
+            batch, length = map(int, args.train.split("x"))
+            ids = random_ids(args.config, (batch, length), seed=1).to(device)
+            steps = [lora_forward_backward(m, ids, args.rank) for m in models]
+            losses = [step() for step in steps]  # warm-up
+            (t_row, t_col), _ = race(steps, device, args.repeats)
+            rows.append((dtype_name, f"LoRA forward+backward, {args.train}", f"{t_row:.2f}", f"{t_col:.2f}",
+                         f"{t_row / t_col:.2f}x", "yes" if abs(losses[0] - losses[1]) < 1e-4 else "no"))
+            print(*rows[-1], flush=True)
+        del models
+    print()
+    print(markdown(["dtype", "work", "row-major s", "column-major s", "ratio", "same result"], rows))
+
+
+if __name__ == "__main__":
+    main()
