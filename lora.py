@@ -61,7 +61,9 @@ class LoRALinear(nn.Module):
         A, B = self.lora_A[name].to(x.dtype), self.lora_B[name].to(x.dtype)
         p = self.dropout[name]
         h = F.dropout(x, p, True) if p > 0 and self.training else x  # p=0 would still copy x
-        return y + F.linear(F.linear(h, A), B) * self.scaling[name]
+        # scale the (tokens, rank) product rather than the (tokens, out) one: the same result
+        # for an elementwise pass over rank columns instead of out, forward and backward
+        return y + F.linear(F.linear(h, A) * self.scaling[name], B)
 
     @torch.no_grad()
     def merge(self):
