@@ -571,22 +571,23 @@ def load_weights(model, state, source):
     return lay_out_weights(model)
 
 
-def lay_out_weights(model):
+def lay_out_weights(model, column_major=None):
     """Store each nn.Linear weight (out, in) in the memory order that the device's matrix
     kernels read fastest; values never change, only strides. On the CPU in fp32 that is
     column-major (the storage of an (in, out) matrix): MKL multiplies a few rows by such a
     matrix far faster than by a row-major one, which is what decoding does (8 rows of
     Qwen3-0.6B decode 1.5x faster), and about as fast at training sizes. In bf16 the
     row-major order is the faster one (oneDNN's kernels), and on CUDA weights stay as
-    loaded. bench/layout.py measures both orders on any machine. A tied output layer takes
-    the embedding with it, whose row lookups barely notice."""
+    loaded. column_major=True or False forces one order (bench/layout.py measures both on
+    any machine). A tied output layer takes the embedding with it, whose row lookups
+    barely notice."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             w = module.weight
-            column_major = w.device.type == "cpu" and w.dtype == torch.float32
-            if column_major and w.stride() != (1, w.shape[0]):
+            column = column_major if column_major is not None else w.device.type == "cpu" and w.dtype == torch.float32
+            if column and w.stride() != (1, w.shape[0]):
                 w.data = w.data.t().contiguous().t()
-            elif not column_major and not w.is_contiguous():
+            elif not column and not w.is_contiguous():
                 w.data = w.data.contiguous()
     return model
 

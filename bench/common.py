@@ -56,7 +56,7 @@ def ours_on(ref, config_dir):
     model.lay_out_weights), as a user gets it."""
     with torch.device("meta"):
         ours = M.Qwen3(M.read_config(config_dir))
-    M.load_weights(ours, dict(ref.state_dict()), "transformers model")
+    M.load_weights(ours, dict(ref.state_dict()), "reference model")
     return ours.eval()
 
 

@@ -20,16 +20,6 @@ import lora  # noqa: E402  (common put the repository on the path)
 from sample import generate
 
 
-def laid_out(ref, config_dir, column_major):
-    """Our model on ref's values with every linear weight in the given memory order."""
-    model = ours_on(ref, config_dir)
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            w = module.weight.data
-            module.weight.data = w.t().contiguous().t() if column_major else w.contiguous()
-    return model
-
-
 def lora_forward_backward(model, ids, rank):
     torch.manual_seed(0)
     lora.add_lora(model, rank, 2 * rank)
@@ -58,7 +48,8 @@ def main():
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)
         _, ref = build(args.config, dtype, device)
-        models = [laid_out(ref, args.config, column_major) for column_major in (False, True)]
+        # our model on ref's values, every linear weight in the one order, then in the other
+        models = [M.lay_out_weights(ours_on(ref, args.config), column_major) for column_major in (False, True)]
         del ref
         with torch.no_grad():
             for B in map(int, args.batches.split(",")):

@@ -10,10 +10,10 @@ peft's get_peft_model on Qwen3ForCausalLM with labels, transformers' own loss.
 All three run in one process on the same base weights (both of ours on one copy laid out
 as model.load() lays it out, column-major on the CPU in fp32; peft on transformers' own
 tensors) and take turns step by step, so a slow spell of the machine hits each of them;
-the fastest step of each counts. Peak memory is
-the most held at once during a step beyond what was held before it: on CUDA the
-allocator's count, on the CPU the profiler's record of every allocation and free. The
-first-step losses must agree (the LoRA B matrices start at zero, so all see the base model).
+the fastest step of each counts. Peak memory is the most held at once during a step
+beyond what was held before it: on CUDA the allocator's count, on the CPU the profiler's
+record of every allocation and free. The first-step losses must agree (the LoRA B
+matrices start at zero, so all see the base model).
 
     python bench/train_step.py
     python bench/train_step.py --dtypes bf16 --steps 1

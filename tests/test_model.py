@@ -210,6 +210,11 @@ def test_weights_are_laid_out_per_dtype_and_compute_the_same(tiny_models, name):
     assert all(w.stride() == (1, w.shape[0]) for w in linears) and again is ours
     bf16, _ = M.load(tiny_models[name], dtype="bf16")
     assert all(m.weight.is_contiguous() for m in bf16.modules() if isinstance(m, torch.nn.Linear))
+    # either order can be forced, whatever the dtype (bench/layout.py times both)
+    M.lay_out_weights(ours, column_major=False)
+    assert all(w.is_contiguous() for w in linears)
+    M.lay_out_weights(bf16, column_major=True)
+    assert all(m.weight.stride() == (1, m.weight.shape[0]) for m in bf16.modules() if isinstance(m, torch.nn.Linear))
 
 
 def bytes_kept(fn):
