@@ -11,9 +11,19 @@ Prints a table with the ratio (ours / transformers tokens per second; higher is 
 import argparse
 
 import torch
+import torch.nn.functional as F
 
 from common import M, NoStopTokenizer, add_args, build, decode_modes, markdown, race, random_ids, setup
 from sample import generate
+
+
+def products_alone(model, rows):
+    """One decode step's products with the model's weights and nothing else: every linear
+    layer, the output layer included, applied to `rows` states of its input width."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    w = model.lm_head.weight
+    states = {m.in_features: torch.randn(rows, 1, m.in_features, dtype=w.dtype, device=w.device) for m in linears}
+    return lambda: [F.linear(states[m.in_features], m.weight, m.bias) for m in linears][-1]
 
 
 def main():
@@ -26,21 +36,31 @@ def main():
     args = p.parse_args()
     device = setup(args)
     modes = decode_modes(device)
-    rows = []
+    rows, steps = [], []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)
         ours, ref = build(args.config, dtype, device)
         for B in map(int, args.batches.split(",")):
             prompts = random_ids(args.config, (B, args.prompt_tokens), seed=B)
             ids, n = prompts.to(device), args.new_tokens
-            run_ref = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                           max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-            runs = [lambda mode=mode: generate(ours, NoStopTokenizer(), prompts.tolist(), max_new_tokens=n,
-                                               temperature=0, decode=mode) for mode in modes]
+            run_ref = lambda n=n: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                               max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
+            runs = [lambda mode=mode, n=n: generate(ours, NoStopTokenizer(), prompts.tolist(), max_new_tokens=n,
+                                                    temperature=0, decode=mode) for mode in modes]
+            # with one new token a run is its prefill (and one draw) and no decode step
+            prefills = [lambda: run_ref(n=1)] + [lambda run=run: run(n=1) for run in runs]
+            fns = [run_ref] + runs + prefills + [products_alone(ours, B)]
             with torch.no_grad():
-                for fn in [run_ref] + runs:
+                for fn in fns:
                     fn()  # warm-up
-                (t_ref, *t_ours), (out_ref, *out_ours) = race([run_ref] + runs, device, args.repeats)
+                times, results = race(fns, device, args.repeats)
+            full = 1 + len(modes)  # transformers, then ours in each decode mode
+            (t_ref, *t_ours), (out_ref, *out_ours) = times[:full], results[:full]
+            step_ms = [1e3 * (t - t1) / max(n - 1, 1) for t, t1 in zip(times[:full], times[full:2 * full])]
+            t_products = 1e3 * times[-1]
+            for mode, ms in zip(modes, step_ms[1:]):
+                steps.append((dtype_name, B, mode, f"{ms:.2f}", f"{step_ms[0]:.2f}", f"{t_products:.2f}",
+                              f"{t_products / ms:.0%}", f"{step_ms[0] / t_products:.2f}x"))
             for mode, t, out in zip(modes, t_ours, out_ours):
                 same = [r.completion_ids for r in out] == out_ref[:, args.prompt_tokens:].tolist()
                 rows.append((dtype_name, B, mode, f"{B * n / t:.1f}", f"{B * n / t_ref:.1f}", f"{t_ref / t:.2f}x",
@@ -49,6 +69,9 @@ def main():
         del ours, ref
     print()
     print(markdown(["dtype", "batch", "ours: decode", "ours tok/s", "transformers tok/s", "ratio", "same tokens"], rows))
+    print()
+    print(markdown(["dtype", "batch", "ours: decode", "ours ms/step", "transformers ms/step", "products alone ms",
+                    "products' share of ours", "ceiling: transformers / products"], steps))
 
 
 if __name__ == "__main__":

@@ -15,12 +15,19 @@ beyond what was held before it: on CUDA the allocator's count, on the CPU the pr
 record of every allocation and free. The first-step losses must agree (the LoRA B
 matrices start at zero, so all see the base model).
 
+A second table says where a step's time goes: the step's matrix products with the
+model's frozen weights run alone (each linear layer's and the output layer's forward
+product over the batch's tokens and its product for the gradient with respect to its
+input), work no implementation of this step can skip. peft's step over that time
+("ceiling") is the most ours could gain over peft by cutting everything else.
+
     python bench/train_step.py
     python bench/train_step.py --dtypes bf16 --steps 1
 """
 import argparse
 
 import torch
+import torch.nn.functional as F
 
 from common import M, add_args, build, markdown, ours_on, race, random_ids, setup, synchronize
 import lora  # noqa: E402  (common put the repository on the path)
@@ -59,6 +66,23 @@ def training_step(compute_loss, optimizer):
     return step
 
 
+def products_alone(model, tokens):
+    """A training step's products with the model's frozen weights and nothing else: for
+    every linear layer, the output layer included, the forward product over `tokens`
+    states and the backward one that carries the gradient to its input."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    w = model.lm_head.weight
+    states = {n: torch.randn(tokens, n, dtype=w.dtype, device=w.device)
+              for m in linears for n in (m.in_features, m.out_features)}
+
+    @torch.no_grad()
+    def run():
+        for m in linears:
+            F.linear(states[m.in_features], m.weight)
+            states[m.out_features] @ m.weight
+    return run
+
+
 def step_peak_memory(step, device):
     """Most bytes held at once during one step beyond what was held before it (activations,
     logits, gradients, temporaries). CUDA: the caching allocator's own count. CPU: the
@@ -89,7 +113,7 @@ def main():
     p.add_argument("--steps", type=int, default=3, help="timed steps of each after one warm-up step; the fastest counts")
     args = p.parse_args()
     device = setup(args)
-    rows = []
+    rows, anatomy = [], []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)
         base, ref = build(args.config, dtype, device)
@@ -98,17 +122,25 @@ def main():
         steps = [our_step(base, args.config, ids, args.rank, recompute) for recompute in (False, True)]
         steps.append(peft_step(ref, ids, args.rank))
         first_losses = [step() for step in steps]  # warm-up; creates the optimizer states, which all then hold
-        seconds, _ = race(steps, device, args.steps)
+        products = products_alone(base, args.batch * args.length)
+        products()  # warm-up
+        seconds, _ = race(steps + [products], device, args.steps)
+        anatomy.append((dtype_name, f"{args.batch}x{args.length}", f"{seconds[0]:.3f}", f"{seconds[2]:.3f}",
+                        f"{seconds[3]:.3f}", f"{seconds[3] / seconds[0]:.0%}", f"{seconds[3] / seconds[2]:.0%}",
+                        f"{seconds[2] / seconds[3]:.2f}x"))
         peaks = [step_peak_memory(step, device) for step in steps]
         for i, recompute in enumerate(("no", "yes")):
             rows.append((dtype_name, f"{args.batch}x{args.length}", recompute, f"{seconds[i]:.3f}", f"{seconds[2]:.3f}",
                          f"{seconds[2] / seconds[i]:.2f}x", f"{peaks[i] / 2**20:.0f}", f"{peaks[2] / 2**20:.0f}",
                          f"{peaks[i] / peaks[2]:.2f}x", f"{first_losses[i]:.4f} / {first_losses[2]:.4f}"))
             print(" ".join(rows[-1]), flush=True)
-        del steps, base, ref
+        del steps, products, base, ref
     print()
     print(markdown(["dtype", "batch", "recompute", "ours s/step", "peft s/step", "speed ratio", "ours peak MiB",
                     "peft peak MiB", "memory ratio", "first loss ours / peft"], rows))
+    print()
+    print(markdown(["dtype", "batch", "ours s/step", "peft s/step", "products alone s", "products' share of ours",
+                    "products' share of peft", "ceiling: peft / products"], anatomy))
 
 
 if __name__ == "__main__":

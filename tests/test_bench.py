@@ -17,8 +17,17 @@ def bench(name, *args):
 
 
 def test_sample_bench_decodes_what_transformers_decodes(tiny_model):
-    for row in bench("sample.py", "--config", tiny_model, "--batches", "1,3", "--new-tokens", "8", "--repeats", "1"):
+    rows = bench("sample.py", "--config", tiny_model, "--batches", "1,3", "--new-tokens", "8", "--repeats", "1")
+    speed, steps = rows[:2], rows[2:]  # the speed table, then where a decode step's time goes
+    assert [r[1] for r in speed] == [r[1] for r in steps] == ["1", "3"], rows
+    for row in speed:
         assert row[-1] == "yes", row
+    for row in steps:
+        ours_ms, ref_ms, products_ms = map(float, row[3:6])
+        assert ours_ms > 0 and ref_ms > 0 and products_ms > 0, row
+        ceiling, rounding = float(row[-1].rstrip("x")), 0.005  # each figure is printed to 2 decimals
+        assert (ref_ms - rounding) / (products_ms + rounding) - rounding <= ceiling, row
+        assert ceiling <= (ref_ms + rounding) / (products_ms - rounding) + rounding, row
 
 
 def test_group_bench_draws_the_same_groups_in_both_decode_loops(tiny_model):
@@ -30,7 +39,10 @@ def test_group_bench_draws_the_same_groups_in_both_decode_loops(tiny_model):
 
 def test_train_step_bench_starts_from_the_same_loss(tiny_model):
     rows = bench("train_step.py", "--config", tiny_model, "--batch", "2", "--length", "16", "--rank", "4", "--steps", "1")
+    rows, [anatomy] = rows[:2], rows[2:]  # the step table, then where the step's time goes
     assert [r[2] for r in rows] == ["no", "yes"], rows  # sft.py's default, then --recompute
+    ours_s, peft_s, products_s = map(float, anatomy[2:5])
+    assert (ours_s, peft_s) == (float(rows[0][3]), float(rows[0][4])) and products_s > 0, anatomy
     for row in rows:
         ours, peft = row[-1].split(" / ")
         assert abs(float(ours) - float(peft)) < 1e-3, row
