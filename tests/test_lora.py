@@ -98,6 +98,41 @@ def test_merge_unmerge_and_switching(tiny_model):
             assert torch.allclose(p, weights[n], atol=1e-6), n
 
 
+def test_folded_adapter_computes_the_same_and_restores_the_very_weights(tiny_model):
+    ours, tok = M.load(tiny_model)
+    ids = sample_ids(tok)
+    lora.add_lora(ours, rank=4, alpha=8, dropout=0.1, name="teacher")
+    lora.add_lora(ours, rank=4, alpha=8, dropout=0.1)
+    for name, seed in (("teacher", 1), ("default", 2)):
+        randomize_adapter(ours, name, seed)
+    weights = {n: (p, p.detach().clone()) for n, p in ours.named_parameters() if not p.requires_grad}
+    ours.eval()
+    with torch.no_grad():
+        expected = {}
+        for name in ("default", "teacher"):
+            with lora.use_adapter(ours, name):
+                expected[name] = ours(ids)
+        with lora.folded_adapter(ours):
+            folded = ours(ids)
+            q = ours.model.layers[0].self_attn.q_proj
+            assert q.merged == "default" and q.weight is not weights["model.layers.0.self_attn.q_proj.weight"][0]
+        with lora.use_adapter(ours, "teacher"), lora.folded_adapter(ours):
+            folded_teacher = ours(ids)
+    assert (folded - expected["default"]).abs().max() < 1e-4
+    assert (folded_teacher - expected["teacher"]).abs().max() < 1e-4
+    assert (folded - folded_teacher).abs().max() > 1e-2  # each folded its own adapter
+    # the same tensors, bit for bit, and the adapters back in charge
+    current = dict(ours.named_parameters())
+    for n, (tensor, values) in weights.items():
+        assert current[n] is tensor and torch.equal(tensor, values), n
+    assert all(layer.merged is None for layer in lora.lora_layers(ours).values())
+    with torch.no_grad():
+        assert torch.equal(ours(ids), expected["default"])
+    ours.train()  # adapter dropout in train mode has no folded form: left as it is
+    with lora.folded_adapter(ours):
+        assert all(layer.merged is None for layer in lora.lora_layers(ours).values())
+
+
 def test_adapter_for_other_base_is_a_one_line_error(tiny_models, tmp_path):
     other, _ = M.load(tiny_models["untied"])
     lora.add_lora(other, rank=4, alpha=8)

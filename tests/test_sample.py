@@ -40,6 +40,26 @@ def test_logprobs_equal_full_forward(loaded):
         assert torch.allclose(torch.tensor(r.logprobs), expected, atol=1e-4)
 
 
+def test_folded_adapter_samples_what_the_adapter_samples(tiny_model):
+    import lora
+    ours, tok = M.load(tiny_model)
+    lora.add_lora(ours, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora.lora_parameters(ours):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    base = generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, seed=3, fold_adapter=False, decode="dropping")
+    with lora.use_adapter(ours, None):
+        plain = generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, seed=3)
+    assert [r.completion_ids for r in base] != [r.completion_ids for r in plain]  # the adapter matters
+    for decode in ("dropping", "fixed"):
+        folded = generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, seed=3, decode=decode)
+        assert [r.completion_ids for r in folded] == [r.completion_ids for r in base], decode
+        for a, b in zip(folded, base):
+            assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4), decode
+    assert all(layer.merged is None for layer in lora.lora_layers(ours).values())
+
+
 def test_seed_reproduces_and_shared_prefill_equals_separate_calls(loaded):
     ours, tok = loaded
     a = generate(ours, tok, PROMPTS, n=4, max_new_tokens=16, seed=11)
