@@ -165,8 +165,11 @@ class folded_adapter:
             name = layer.active
             if name is None or layer.merged is not None or (layer.training and layer.dropout[name] > 0):
                 continue
-            weight = layer.weight.detach().clone()  # clone keeps the strides load() chose
-            weight += layer.delta_weight(name).to(weight.dtype)
+            dtype = layer.weight.dtype
+            weight = torch.empty_like(layer.weight)  # with the strides load() chose
+            # W + (s B) A in one pass over W, A and B in W's dtype as forward() casts them
+            torch.addmm(layer.weight, (layer.lora_B[name] * layer.scaling[name]).to(dtype),
+                        layer.lora_A[name].to(dtype), out=weight)
             self.swapped.append((layer, layer.weight))
             layer.weight = nn.Parameter(weight, requires_grad=False)
             layer.merged = name

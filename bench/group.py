@@ -6,6 +6,12 @@ Ours prefills each prompt once and copies its KV cache to the 8 samples
 Prompts are random ids, 96 tokens by default: about the length of a zero-shot GSM8K
 question in rl.py's format. Prints samples per second and the ratio (higher is better).
 
+As in rl.py, the policy carries a LoRA adapter (rank 16 on all seven linear layers of
+every block; --rank 0 for the plain model): ours from lora.add_lora, transformers' from
+peft. Ours is timed as generate runs it, the adapter folded into a copy of the weights
+(lora.folded_adapter), and with the adapter's own products (fold_adapter=False). Our
+adapter's B matrices are random, so folding has something to fold.
+
     python bench/group.py
     python bench/group.py --dtypes bf16 --new-tokens 32
 """
@@ -15,6 +21,7 @@ import torch
 
 from common import M, NoStopTokenizer, add_args, build, decode_modes, markdown, race, random_ids, setup
 from sample import generate
+import lora  # noqa: E402  (common put the repository on the path)
 
 
 def main():
@@ -26,6 +33,7 @@ def main():
     p.add_argument("--prompt-tokens", type=int, default=96)
     p.add_argument("--modes", default=None, help="decode loops of ours to time, e.g. dropping,fixed "
                                                  "(default: graph,dropping on CUDA, dropping elsewhere)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank of the policy's adapter (0: no adapter)")
     p.add_argument("--repeats", type=int, default=1, help="timed rounds, implementations taking turns; the best counts")
     args = p.parse_args()
     device = setup(args)
@@ -33,34 +41,50 @@ def main():
     prompts = random_ids(args.config, (B, args.prompt_tokens), seed=0)
     ids = prompts.to(device)
     modes = decode_modes(device, args.modes)
+    # (decode loop, adapter folded): every loop folded as generate does by default, then the
+    # first loop with the adapter's own products
+    settings = [(mode, True) for mode in modes] + ([(modes[0], False)] if args.rank else [])
     rows = []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)
         ours, ref = build(args.config, dtype, device)
+        if args.rank:
+            from peft import LoraConfig, get_peft_model
+            lora.add_lora(ours, args.rank, 2 * args.rank)
+            generator = torch.Generator(device).manual_seed(0)
+            with torch.no_grad():  # B != 0, so that folding has something to fold
+                for B_matrix in lora.lora_parameters(ours)[1::2]:
+                    B_matrix.normal_(0, 0.01, generator=generator)
+            ref = get_peft_model(ref, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
+                                                 target_modules=list(lora.TARGETS))).eval()
         run_ref = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                        num_return_sequences=n, temperature=1.0, top_k=0, top_p=1.0,
                                        max_new_tokens=T, min_new_tokens=T, pad_token_id=0, eos_token_id=None)
-        runs = [lambda mode=mode: generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=T,
-                                           temperature=1.0, seed=0, decode=mode) for mode in modes]
+        runs = [lambda mode=mode, fold=fold: generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=T,
+                                                      temperature=1.0, seed=0, decode=mode, fold_adapter=fold)
+                for mode, fold in settings]
         with torch.no_grad():
             # warm-up at a few tokens: kernels chosen, memory pools grown
             ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=n,
                          max_new_tokens=2, pad_token_id=0, eos_token_id=None)
-            for mode in modes:
-                generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode)
+            for mode, fold in settings:
+                generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode,
+                         fold_adapter=fold)
             (t_ref, *t_ours), (out_ref, *out_ours) = race([run_ref] + runs, device, args.repeats)
         assert out_ref.shape == (B * n, args.prompt_tokens + T)
-        for mode, t, out in zip(modes, t_ours, out_ours):
+        for (mode, fold), t, out in zip(settings, t_ours, out_ours):
             assert all(len(r.completion_ids) == T for r in out)
-            # same seeds, so every decode loop should draw the same samples
+            # same seeds, and folding changes the weights' rounding only, so every setting should
+            # draw the same samples (in bf16 rounding can part a few)
             same = sum(a.completion_ids == b.completion_ids for a, b in zip(out_ours[0], out)) / len(out)
-            rows.append((dtype_name, f"{B}x{n}", T, mode, f"{B * n / t:.2f}", f"{B * n / t_ref:.2f}",
+            adapter = f"rank {args.rank}, " + ("folded" if fold else "own products") if args.rank else "none"
+            rows.append((dtype_name, f"{B}x{n}", T, mode, adapter, f"{B * n / t:.2f}", f"{B * n / t_ref:.2f}",
                          f"{t_ref / t:.2f}x", f"{same:.0%}"))
             print(*rows[-1], flush=True)
         del ours, ref
     print()
-    print(markdown(["dtype", "prompts x samples", "new tokens", "ours: decode", "ours samples/s", "transformers samples/s",
-                    "ratio", f"samples equal to {modes[0]}"], rows))
+    print(markdown(["dtype", "prompts x samples", "new tokens", "ours: decode", "adapter", "ours samples/s",
+                    "transformers samples/s", "ratio", "samples equal to the first row's"], rows))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,9 @@ def test_sample_bench_decodes_what_transformers_decodes(tiny_model):
 
 def test_group_bench_draws_the_same_groups_in_both_decode_loops(tiny_model):
     rows = bench("group.py", "--config", tiny_model, "--prompts", "2", "--samples", "3", "--new-tokens", "6",
-                 "--prompt-tokens", "5", "--modes", "dropping,fixed")
-    assert [r[3] for r in rows] == ["dropping", "fixed"]
+                 "--prompt-tokens", "5", "--modes", "dropping,fixed", "--rank", "4")
+    assert [(r[3], r[4]) for r in rows] == [("dropping", "rank 4, folded"), ("fixed", "rank 4, folded"),
+                                            ("dropping", "rank 4, own products")], rows
     assert all(r[1] == "2x3" and r[-1] == "100%" for r in rows), rows
 
 

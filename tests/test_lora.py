@@ -115,7 +115,9 @@ def test_folded_adapter_computes_the_same_and_restores_the_very_weights(tiny_mod
         with lora.folded_adapter(ours):
             folded = ours(ids)
             q = ours.model.layers[0].self_attn.q_proj
-            assert q.merged == "default" and q.weight is not weights["model.layers.0.self_attn.q_proj.weight"][0]
+            original = weights["model.layers.0.self_attn.q_proj.weight"][0]
+            assert q.merged == "default" and q.weight is not original
+            assert q.weight.stride() == original.stride()  # the layout load() chose (column-major here, fp32)
         with lora.use_adapter(ours, "teacher"), lora.folded_adapter(ours):
             folded_teacher = ours(ids)
     assert (folded - expected["default"]).abs().max() < 1e-4
