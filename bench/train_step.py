@@ -125,8 +125,8 @@ def main():
         products = products_alone(base, args.batch * args.length)
         products()  # warm-up
         seconds, _ = race(steps + [products], device, args.steps)
-        anatomy.append((dtype_name, f"{args.batch}x{args.length}", f"{seconds[0]:.3f}", f"{seconds[2]:.3f}",
-                        f"{seconds[3]:.3f}", f"{seconds[3] / seconds[0]:.0%}", f"{seconds[3] / seconds[2]:.0%}",
+        anatomy.append((dtype_name, f"{args.batch}x{args.length}", *(f"{seconds[i]:.4g}" for i in (0, 2, 3)),
+                        f"{seconds[3] / seconds[0]:.0%}", f"{seconds[3] / seconds[2]:.0%}",
                         f"{seconds[2] / seconds[3]:.2f}x"))
         peaks = [step_peak_memory(step, device) for step in steps]
         for i, recompute in enumerate(("no", "yes")):

@@ -42,8 +42,9 @@ def test_train_step_bench_starts_from_the_same_loss(tiny_model):
     rows = bench("train_step.py", "--config", tiny_model, "--batch", "2", "--length", "16", "--rank", "4", "--steps", "1")
     rows, [anatomy] = rows[:2], rows[2:]  # the step table, then where the step's time goes
     assert [r[2] for r in rows] == ["no", "yes"], rows  # sft.py's default, then --recompute
-    ours_s, peft_s, products_s = map(float, anatomy[2:5])
-    assert (ours_s, peft_s) == (float(rows[0][3]), float(rows[0][4])) and products_s > 0, anatomy
+    ours_s, peft_s, products_s = map(float, anatomy[2:5])  # 4 significant digits
+    assert abs(ours_s - float(rows[0][3])) <= 5e-4 and abs(peft_s - float(rows[0][4])) <= 5e-4, (anatomy, rows)
+    assert products_s > 0 and abs(float(anatomy[-1].rstrip("x")) - peft_s / products_s) <= 0.005 + 2e-3 * peft_s / products_s
     for row in rows:
         ours, peft = row[-1].split(" / ")
         assert abs(float(ours) - float(peft)) < 1e-3, row
