@@ -6,6 +6,7 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -58,6 +59,26 @@ def ours_on(ref, config_dir):
         ours = M.Qwen3(M.read_config(config_dir))
     M.load_weights(ours, dict(ref.state_dict()), "reference model")
     return ours.eval()
+
+
+def products_alone(model, rows, backward=False):
+    """The products with the model's weights and nothing else, as a function of no
+    arguments: every linear layer, the output layer included, applied to `rows` states of
+    its input width (a decode step's products at rows = batch) and, with backward, also
+    the product that carries a gradient of its output width to its input (a frozen-weight
+    training step's products at rows = tokens)."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    w = model.lm_head.weight
+    widths = {n for m in linears for n in ((m.in_features, m.out_features) if backward else (m.in_features,))}
+    states = {n: torch.randn(rows, n, dtype=w.dtype, device=w.device) for n in widths}
+
+    @torch.no_grad()
+    def run():
+        for m in linears:
+            F.linear(states[m.in_features], m.weight, m.bias)
+            if backward:
+                states[m.out_features] @ m.weight
+    return run
 
 
 def decode_modes(device, given=None):

@@ -11,19 +11,10 @@ Prints a table with the ratio (ours / transformers tokens per second; higher is 
 import argparse
 
 import torch
-import torch.nn.functional as F
 
-from common import M, NoStopTokenizer, add_args, build, decode_modes, markdown, race, random_ids, setup
+from common import (M, NoStopTokenizer, add_args, build, decode_modes, markdown, products_alone, race, random_ids,
+                    setup)
 from sample import generate
-
-
-def products_alone(model, rows):
-    """One decode step's products with the model's weights and nothing else: every linear
-    layer, the output layer included, applied to `rows` states of its input width."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    w = model.lm_head.weight
-    states = {m.in_features: torch.randn(rows, 1, m.in_features, dtype=w.dtype, device=w.device) for m in linears}
-    return lambda: [F.linear(states[m.in_features], m.weight, m.bias) for m in linears][-1]
 
 
 def main():

@@ -27,9 +27,8 @@ input), work no implementation of this step can skip. peft's step over that time
 import argparse
 
 import torch
-import torch.nn.functional as F
 
-from common import M, add_args, build, markdown, ours_on, race, random_ids, setup, synchronize
+from common import M, add_args, build, markdown, ours_on, products_alone, race, random_ids, setup, synchronize
 import lora  # noqa: E402  (common put the repository on the path)
 
 
@@ -64,23 +63,6 @@ def training_step(compute_loss, optimizer):
         optimizer.zero_grad(set_to_none=True)
         return loss.item()
     return step
-
-
-def products_alone(model, tokens):
-    """A training step's products with the model's frozen weights and nothing else: for
-    every linear layer, the output layer included, the forward product over `tokens`
-    states and the backward one that carries the gradient to its input."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    w = model.lm_head.weight
-    states = {n: torch.randn(tokens, n, dtype=w.dtype, device=w.device)
-              for m in linears for n in (m.in_features, m.out_features)}
-
-    @torch.no_grad()
-    def run():
-        for m in linears:
-            F.linear(states[m.in_features], m.weight)
-            states[m.out_features] @ m.weight
-    return run
 
 
 def step_peak_memory(step, device):
@@ -122,7 +104,7 @@ def main():
         steps = [our_step(base, args.config, ids, args.rank, recompute) for recompute in (False, True)]
         steps.append(peft_step(ref, ids, args.rank))
         first_losses = [step() for step in steps]  # warm-up; creates the optimizer states, which all then hold
-        products = products_alone(base, args.batch * args.length)
+        products = products_alone(base, args.batch * args.length, backward=True)
         products()  # warm-up
         seconds, _ = race(steps + [products], device, args.steps)
         anatomy.append((dtype_name, f"{args.batch}x{args.length}", *(f"{seconds[i]:.4g}" for i in (0, 2, 3)),
