@@ -19,6 +19,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from model import linear
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
 
@@ -50,7 +52,7 @@ class LoRALinear(nn.Module):
         return (self.lora_B[name] @ self.lora_A[name]) * self.scaling[name]  # (out, in)
 
     def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         name = self.active
         if name is None or name == self.merged:
             return y

@@ -8,6 +8,11 @@ optimizer). Prints seconds and the ratio row-major / column-major (above 1: colu
 is faster). Which order is faster is a property of the CPU's matrix kernels, so on other
 hardware run this before trusting the choice load() makes.
 
+In bf16 a second table: greedy decode on the row-major model (bf16's order) with every
+product as F.linear computes it, against model.linear's forms for a few rows (the weight
+first, a matrix-vector product for one row), the two taking turns; above 1 the forms are
+faster.
+
     python bench/layout.py
     python bench/layout.py --dtypes fp32,bf16 --batches 8
 """
@@ -34,6 +39,17 @@ def lora_forward_backward(model, ids, rank):
     return step
 
 
+def with_few_rows(few_rows, fn):
+    """fn run with model.linear's few-row forms up to `few_rows` rows (0: F.linear always)."""
+    def run():
+        kept, M.FEW_ROWS = M.FEW_ROWS, few_rows
+        try:
+            return fn()
+        finally:
+            M.FEW_ROWS = kept
+    return run
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p, dtypes="fp32")
@@ -44,7 +60,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed rounds, the two layouts taking turns; the best counts")
     args = p.parse_args()
     device = setup(args)
-    rows = []
+    rows, forms = [], []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)
         _, ref = build(args.config, dtype, device)
@@ -63,6 +79,13 @@ def main():
                 rows.append((dtype_name, f"decode, batch {B}", f"{t_row:.2f}", f"{t_col:.2f}", f"{t_row / t_col:.2f}x",
                              "yes" if same else "no"))
                 print(*rows[-1], flush=True)
+                if dtype == torch.bfloat16 and device.type == "cpu":
+                    runs = [with_few_rows(n, runs[0]) for n in (0, M.FEW_ROWS)]
+                    (t_plain, t_forms), (out_plain, out_forms) = race(runs, device, args.repeats)
+                    same = [r.completion_ids for r in out_plain] == [r.completion_ids for r in out_forms]
+                    forms.append((dtype_name, f"decode, batch {B}", f"{t_plain:.2f}", f"{t_forms:.2f}",
+                                  f"{t_plain / t_forms:.2f}x", "yes" if same else "no"))
+                    print(*forms[-1], flush=True)
         if args.train != "0":
             batch, length = map(int, args.train.split("x"))
             ids = random_ids(args.config, (batch, length), seed=1).to(device)
@@ -75,6 +98,9 @@ def main():
         del models
     print()
     print(markdown(["dtype", "work", "row-major s", "column-major s", "ratio", "same result"], rows))
+    if forms:
+        print()
+        print(markdown(["dtype", "work", "F.linear s", "model.linear s", "ratio", "same result"], forms))
 
 
 if __name__ == "__main__":

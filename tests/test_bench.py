@@ -7,11 +7,11 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def bench(name, *args):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", name), "--dtypes", "fp32", "--device", "cpu", *args],
+def bench(name, *args, dtype="fp32"):
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", name), "--dtypes", dtype, "--device", "cpu", *args],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    table = [line for line in out.stdout.splitlines() if line.startswith("| fp32")]
+    table = [line for line in out.stdout.splitlines() if line.startswith(f"| {dtype}")]
     assert table, out.stdout
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
 
@@ -62,3 +62,11 @@ def test_layout_bench_computes_the_same_in_both_orders(tiny_model):
                  "--rank", "4", "--repeats", "1")
     assert [r[1] for r in rows] == ["decode, batch 1", "decode, batch 3", "LoRA forward+backward, 2x16"], rows
     assert all(r[-1] == "yes" and float(r[4].rstrip("x")) > 0 for r in rows), rows
+
+
+def test_layout_bench_times_the_few_row_forms_in_bf16(tiny_model):
+    rows = bench("layout.py", "--config", tiny_model, "--batches", "1,3", "--new-tokens", "6", "--train", "0",
+                 "--repeats", "1", dtype="bf16")
+    layouts, forms = rows[:2], rows[2:]  # row-major against column-major, then F.linear against model.linear
+    assert [r[1] for r in layouts] == [r[1] for r in forms] == ["decode, batch 1", "decode, batch 3"], rows
+    assert all(float(r[4].rstrip("x")) > 0 for r in rows), rows

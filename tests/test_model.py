@@ -249,3 +249,26 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model, dropout):
     assert torch.equal(logp0, logp1)
     assert grads0.keys() == grads1.keys() and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
     assert kept1 < 0.75 * kept0, (kept1, kept0)
+
+
+@pytest.mark.parametrize("rows", [1, 3, M.FEW_ROWS, M.FEW_ROWS + 1])
+def test_linear_computes_f_linear_in_every_form(rows):
+    # bf16 on the CPU takes a matrix-vector product at one row and the weight-first product
+    # up to FEW_ROWS rows; above that, and in fp32 or with a column-major weight, F.linear
+    g = torch.Generator().manual_seed(rows)
+    W, b = torch.randn(48, 40, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    x = torch.randn(1, rows, 40, generator=g).bfloat16()
+    for bias in (None, b):
+        exact = torch.nn.functional.linear(x.double(), W.double(), None if bias is None else bias.double())
+        y = M.linear(x, W, bias)
+        assert y.shape == (1, rows, 48) and y.dtype == torch.bfloat16 and y.is_contiguous()
+        # each output rounded once to bf16 (8 significant bits) after summing in fp32
+        assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+    xg = x.clone().requires_grad_(True)
+    M.linear(xg, W, b).square().sum().backward()
+    x_ref = x.double().requires_grad_(True)
+    torch.nn.functional.linear(x_ref, W.double(), b.double()).square().sum().backward()
+    assert (xg.grad.double() - x_ref.grad).abs().max() <= x_ref.grad.abs().max() * 2 ** -5
+    column_major = W.t().contiguous().t()
+    assert torch.equal(M.linear(x, column_major, b), torch.nn.functional.linear(x, column_major, b))
+    assert torch.equal(M.linear(x.float(), W.float(), b.float()), torch.nn.functional.linear(x.float(), W.float(), b.float()))
