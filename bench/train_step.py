@@ -79,8 +79,14 @@ def step_peak_memory(step, device):
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
+    # each allocation (+bytes) and free (-bytes) at its own time. The per-operator sums of
+    # prof.events() would book a free made inside an operator at the operator's start,
+    # before its children's allocations, and so miss what a custom autograd Function
+    # (HeadLogprob) allocates and frees within its forward.
+    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
     held = peak = 0
-    for _, change in sorted((e.time_range.start, e.self_cpu_memory_usage) for e in prof.events() if e.self_cpu_memory_usage):
+    for _, change in changes:
         held += change
         peak = max(peak, held)
     return peak

@@ -70,3 +70,25 @@ def test_layout_bench_times_the_few_row_forms_in_bf16(tiny_model):
     layouts, forms = rows[:2], rows[2:]  # row-major against column-major, then F.linear against model.linear
     assert [r[1] for r in layouts] == [r[1] for r in forms] == ["decode, batch 1", "decode, batch 3"], rows
     assert all(float(r[4].rstrip("x")) > 0 for r in rows), rows
+
+
+def test_peak_memory_sees_what_an_autograd_function_allocates_and_frees_inside():
+    # the kind of allocation HeadLogprob makes: a large scratch tensor that lives and dies
+    # within one custom Function's forward
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from train_step import step_peak_memory
+
+    class Scratch(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            scratch = torch.ones(2 ** 21)  # 8 MiB
+            return x * scratch[:1]
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    x = torch.ones(1, requires_grad=True)
+    peak = step_peak_memory(lambda: Scratch.apply(x).sum().backward(), torch.device("cpu"))
+    assert 2 ** 23 <= peak < 2 ** 23 + 2 ** 16, peak
