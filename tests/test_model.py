@@ -95,6 +95,30 @@ def test_token_logprobs_equal_log_softmax(tiny_model):
     ours.lm_head.weight.requires_grad_(False)
 
 
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_frozen_head_logprobs_reuse_their_buffers_and_equal_log_softmax(tiny_model, dtype):
+    # the frozen output layer's chunks share (chunk, vocab) buffers (model.head_logprob);
+    # uneven chunks (4, 4, ..., fewer) read from the shared buffers' first rows
+    ours, tok = M.load(tiny_model, dtype=dtype)
+    ours.requires_grad_(False)
+    ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
+    targets = ids[0, 1:]
+    with torch.no_grad():
+        hidden = ours(ids[:, :-1], hidden_only=True)[0]
+    assert len(targets) % 4 != 0
+    def reference(h):  # the logits of the same product, then log-softmax in fp32
+        return torch.nn.functional.linear(h, ours.lm_head.weight).float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    with torch.no_grad():
+        assert torch.allclose(ours.token_logprobs(hidden, targets, chunk_size=4), reference(hidden), atol=1e-5)
+    weights = torch.linspace(-1.0, 2.0, len(targets))
+    h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    (ours.token_logprobs(h1, targets, chunk_size=4) * weights).sum().backward()
+    (reference(h2) * weights).sum().backward()
+    # bf16: the gradient's (chunk, vocab) factor is rounded to bf16 before its product with W
+    tolerance = 1e-5 if dtype == "fp32" else 2e-2 * h2.grad.abs().max().item()
+    assert h1.grad.dtype == hidden.dtype and (h1.grad.float() - h2.grad.float()).abs().max() <= tolerance
+
 def test_official_config_loads_with_its_values():
     config = M.read_config(SHARED_CONFIG)
     with open(os.path.join(SHARED_CONFIG, "config.json")) as f:
