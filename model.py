@@ -317,19 +317,14 @@ class Qwen3(nn.Module):
         Logits are built chunk by chunk, so the full (N, vocab) matrix never lives in
         memory at once (151,936 columns for Qwen3). With the output layer frozen (LoRA),
         each chunk's gradient is formed while its logits are at hand (HeadLogprob);
-        when the output layer trains too, chunks are recomputed in the backward pass.
-        With a frozen output layer the chunks share one set of (chunk, vocab) buffers: a
-        fresh 300 MB tensor costs a page fault per 4 KB on first touch, which on the CPU
-        took longer than the arithmetic done in it."""
-        out, buffers = [], {}
-        w = self.lm_head.weight
+        when the output layer trains too, chunks are recomputed in the backward pass."""
+        out = []
+        frozen_head = not self.lm_head.weight.requires_grad
         for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
-            if not w.requires_grad and not (torch.is_grad_enabled() and h.requires_grad):
-                out.append(head_logprob(h, w, t, buffers)[0])
-            elif not w.requires_grad:
-                out.append(HeadLogprob.apply(h, w, t, buffers))
-            elif not (torch.is_grad_enabled() and h.requires_grad):
+            if not (torch.is_grad_enabled() and h.requires_grad):
                 out.append(self._chunk_logprobs(h, t))
+            elif frozen_head:
+                out.append(HeadLogprob.apply(h, self.lm_head.weight, t))
             else:
                 out.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, h, t, use_reentrant=False))
         return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
@@ -368,55 +363,33 @@ class Qwen3(nn.Module):
         return kl.detach() + surrogate - surrogate.detach()
 
 
-def head_logprob(h, weight, targets, buffers, with_grad=False):
-    """log p(target | state) in fp32 for states h (n, hidden) under the output layer
-    weight (vocab, hidden), and with with_grad also its gradient with respect to h,
-    (onehot(target) - softmax) @ weight, in fp32; else None. The (n, vocab) logits are
-    written into buffers (a dict of tensors by dtype, grown when too small), which the
-    caller passes again for the next chunk."""
-    def buffer(dtype):
-        if dtype not in buffers or len(buffers[dtype]) < len(h):
-            buffers[dtype] = torch.empty(len(h), weight.shape[0], dtype=dtype, device=h.device)
-        return buffers[dtype][:len(h)]
-    logits = buffer(torch.float32)
-    if weight.dtype == torch.float32:
-        torch.mm(h, weight.t(), out=logits)
-    else:
-        logits.copy_(torch.mm(h, weight.t(), out=buffer(weight.dtype)))
-    target_logit = logits.gather(-1, targets[:, None])
-    top = logits.amax(-1, keepdim=True)
-    exp = logits.sub_(top).exp_()
-    total = exp.sum(-1, keepdim=True)
-    logp = (target_logit - top - total.log()).squeeze(-1)
-    if not with_grad:
-        return logp, None
-    minus_delta = exp.div_(total)  # softmax
-    minus_delta.scatter_add_(-1, targets[:, None], minus_delta.new_full((len(targets), 1), -1.0))
-    if weight.dtype != torch.float32:
-        minus_delta = buffer(weight.dtype).copy_(minus_delta)
-    return logp, -(minus_delta @ weight).float()
-
-
 class HeadLogprob(torch.autograd.Function):
     """log p(target | state) for a chunk of states under a frozen output layer W. Its
     gradient with respect to state i is g_i * (onehot(target_i) - softmax_i) @ W: the
     bracket is known as soon as the logits are, so the forward pass forms that (chunk,
-    hidden) product (head_logprob) and the backward pass only scales it. Against
-    autograd through a checkpoint this saves recomputing the chunk's logits, and against
-    autograd without one it keeps no (chunk, vocab) tensor alive between the passes."""
+    hidden) product and the backward pass only scales it. Against autograd through a
+    checkpoint this saves recomputing the chunk's logits, and against autograd without one
+    it keeps no (chunk, vocab) tensor alive between the passes."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, buffers):
-        logp, d_logp_d_h = head_logprob(h, weight, targets, buffers, with_grad=ctx.needs_input_grad[0])
-        if d_logp_d_h is not None:
-            ctx.save_for_backward(d_logp_d_h)
+    def forward(ctx, h, weight, targets):
+        logits = F.linear(h, weight).float()
+        target_logit = logits.gather(-1, targets[:, None])
+        top = logits.amax(-1, keepdim=True)
+        exp = logits.sub_(top).exp_()  # in place: the one (chunk, vocab) buffer this needs
+        total = exp.sum(-1, keepdim=True)
+        logp = (target_logit - top - total.log()).squeeze(-1)
+        if ctx.needs_input_grad[0]:
+            minus_delta = exp.div_(total)  # softmax
+            minus_delta.scatter_add_(-1, targets[:, None], minus_delta.new_full((len(targets), 1), -1.0))
+            ctx.save_for_backward(-(minus_delta.to(weight.dtype) @ weight).float())
             ctx.h_dtype = h.dtype
         return logp
 
     @staticmethod
     def backward(ctx, grad):
         (d_logp_d_h,) = ctx.saved_tensors
-        return (grad.float()[:, None] * d_logp_d_h).to(ctx.h_dtype), None, None, None
+        return (grad.float()[:, None] * d_logp_d_h).to(ctx.h_dtype), None, None
 
 
 def left_pad(seqs, pad_id, device=None):
