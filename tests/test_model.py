@@ -97,9 +97,9 @@ def test_token_logprobs_equal_log_softmax(tiny_model):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_frozen_head_logprobs_reuse_their_buffers_and_equal_log_softmax(tiny_model, dtype):
-    # the frozen output layer's chunks share (chunk, vocab) buffers (model.head_logprob);
-    # uneven chunks (4, 4, ..., fewer) read from the shared buffers' first rows
+def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype):
+    # with the output layer frozen (LoRA): no gradient, and HeadLogprob's gradient formed
+    # in the forward pass; over uneven chunks (4, 4, ..., fewer)
     ours, tok = M.load(tiny_model, dtype=dtype)
     ours.requires_grad_(False)
     ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
