@@ -75,7 +75,7 @@ def products_alone(model, rows, backward=False):
     @torch.no_grad()
     def run():
         for m in linears:
-            M.linear(states[m.in_features], m.weight, m.bias)  # the fastest form our model knows
+            M.linear(states[m.in_features], m.weight, m.bias)
             if backward:
                 states[m.out_features] @ m.weight
     return run

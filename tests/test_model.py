@@ -95,7 +95,6 @@ def test_token_logprobs_equal_log_softmax(tiny_model):
     ours.lm_head.weight.requires_grad_(False)
 
 
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype):
     # with the output layer frozen (LoRA): no gradient, and HeadLogprob's gradient formed
@@ -118,6 +117,7 @@ def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype
     # bf16: the gradient's (chunk, vocab) factor is rounded to bf16 before its product with W
     tolerance = 1e-5 if dtype == "fp32" else 2e-2 * h2.grad.abs().max().item()
     assert h1.grad.dtype == hidden.dtype and (h1.grad.float() - h2.grad.float()).abs().max() <= tolerance
+
 
 def test_official_config_loads_with_its_values():
     config = M.read_config(SHARED_CONFIG)
