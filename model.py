@@ -363,28 +363,41 @@ class Qwen3(nn.Module):
         return kl.detach() + surrogate - surrogate.detach()
 
 
+VOCAB_SLICE = 4096  # output-layer columns HeadLogprob forms at a time
+
+
 class HeadLogprob(torch.autograd.Function):
     """log p(target | state) for a chunk of states under a frozen output layer W. Its
-    gradient with respect to state i is g_i * (onehot(target_i) - softmax_i) @ W: the
-    bracket is known as soon as the logits are, so the forward pass forms that (chunk,
-    hidden) product and the backward pass only scales it. Against autograd through a
-    checkpoint this saves recomputing the chunk's logits, and against autograd without one
-    it keeps no (chunk, vocab) tensor alive between the passes."""
+    gradient with respect to state i is g_i * (W[target_i] - softmax_i @ W): the bracket
+    is known as soon as the logits are, so the forward pass forms it and the backward pass
+    only scales it. The logits are made VOCAB_SLICE columns at a time, keeping a running
+    max, sum of exponentials and softmax-weighted sum of W's rows that are rescaled when
+    the max grows (the softmax of flash attention): no (chunk, vocab) tensor is ever made,
+    each slice of W is read for its logits and straight away for its product, and the
+    result equals the one-pass softmax up to float rounding."""
 
     @staticmethod
     def forward(ctx, h, weight, targets):
-        logits = F.linear(h, weight).float()
-        target_logit = logits.gather(-1, targets[:, None])
-        top = logits.amax(-1, keepdim=True)
-        exp = logits.sub_(top).exp_()  # in place: the one (chunk, vocab) buffer this needs
-        total = exp.sum(-1, keepdim=True)
-        logp = (target_logit - top - total.log()).squeeze(-1)
-        if ctx.needs_input_grad[0]:
-            minus_delta = exp.div_(total)  # softmax
-            minus_delta.scatter_add_(-1, targets[:, None], minus_delta.new_full((len(targets), 1), -1.0))
-            ctx.save_for_backward(-(minus_delta.to(weight.dtype) @ weight).float())
-            ctx.h_dtype = h.dtype
-        return logp
+        n = len(h)
+        top = h.new_full((n, 1), float("-inf"), dtype=torch.float32)
+        total = h.new_zeros((n, 1), dtype=torch.float32)
+        weighted_rows = h.new_zeros((n, weight.shape[1]), dtype=torch.float32)  # sum exp(logit - top) W[v]
+        target_logit = h.new_zeros((n, 1), dtype=torch.float32)
+        for start in range(0, len(weight), VOCAB_SLICE):
+            w = weight[start:start + VOCAB_SLICE]
+            logits = F.linear(h, w).float()
+            inside = ((targets >= start) & (targets < start + len(w)))[:, None]
+            picked = logits.gather(-1, (targets - start).clamp(0, len(w) - 1)[:, None])
+            target_logit = torch.where(inside, picked, target_logit)
+            new_top = torch.maximum(top, logits.amax(-1, keepdim=True))
+            shrink = (top - new_top).exp()  # 0 at the first slice, where top is -inf
+            exp = logits.sub_(new_top).exp_()  # in place: the one (chunk, slice) buffer
+            total = total * shrink + exp.sum(-1, keepdim=True)
+            weighted_rows = weighted_rows * shrink + (exp.to(w.dtype) @ w).float()
+            top = new_top
+        ctx.save_for_backward(weight[targets].float() - weighted_rows / total)
+        ctx.h_dtype = h.dtype
+        return (target_logit - top - total.log()).squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):

@@ -96,9 +96,13 @@ def test_token_logprobs_equal_log_softmax(tiny_model):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype):
-    # with the output layer frozen (LoRA): no gradient, and HeadLogprob's gradient formed
-    # in the forward pass; over uneven chunks (4, 4, ..., fewer)
+@pytest.mark.parametrize("vocab_slice", [4096, 96])
+def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype, vocab_slice, monkeypatch):
+    # with the output layer frozen (LoRA): no gradient, and HeadLogprob's value and gradient
+    # formed in the forward pass, over uneven chunks (4, 4, ..., fewer) and either the whole
+    # vocabulary (400) in one slice or slices of 96 (the last one 16), where the running max
+    # and sums are rescaled
+    monkeypatch.setattr(M, "VOCAB_SLICE", vocab_slice)
     ours, tok = M.load(tiny_model, dtype=dtype)
     ours.requires_grad_(False)
     ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
@@ -109,12 +113,15 @@ def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype
     def reference(h):  # the logits of the same product, then log-softmax in fp32
         return torch.nn.functional.linear(h, ours.lm_head.weight).float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
     with torch.no_grad():
-        assert torch.allclose(ours.token_logprobs(hidden, targets, chunk_size=4), reference(hidden), atol=1e-5)
+        expected = reference(hidden)
+        assert torch.allclose(ours.token_logprobs(hidden, targets, chunk_size=4), expected, atol=1e-5)
     weights = torch.linspace(-1.0, 2.0, len(targets))
     h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
-    (ours.token_logprobs(h1, targets, chunk_size=4) * weights).sum().backward()
+    got = ours.token_logprobs(h1, targets, chunk_size=4)
+    assert torch.allclose(got.detach(), expected, atol=1e-5)
+    (got * weights).sum().backward()
     (reference(h2) * weights).sum().backward()
-    # bf16: the gradient's (chunk, vocab) factor is rounded to bf16 before its product with W
+    # bf16: the softmax is rounded to bf16 before its product with W
     tolerance = 1e-5 if dtype == "fp32" else 2e-2 * h2.grad.abs().max().item()
     assert h1.grad.dtype == hidden.dtype and (h1.grad.float() - h2.grad.float()).abs().max() <= tolerance
 
@@ -296,3 +303,4 @@ def test_linear_computes_f_linear_in_every_form(rows):
     column_major = W.t().contiguous().t()
     assert torch.equal(M.linear(x, column_major, b), torch.nn.functional.linear(x, column_major, b))
     assert torch.equal(M.linear(x.float(), W.float(), b.float()), torch.nn.functional.linear(x.float(), W.float(), b.float()))
+
