@@ -194,7 +194,27 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(SwiGLU.apply(self.gate_proj(x), self.up_proj(x)))
+
+
+class SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, keeping only gate and up for the backward pass. Autograd would keep
+    silu(gate) too: one more (tokens, intermediate) tensor per layer, a ninth of what a
+    Qwen3 layer keeps in LoRA training. The backward pass recomputes it with the kernel
+    autograd would have used, and forms both gradients as autograd would (the product's
+    rule, then SiLU's), so they are the same to the bit."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        gate, up = ctx.saved_tensors
+        d_gate = torch.ops.aten.silu_backward(grad * up, gate) if ctx.needs_input_grad[0] else None
+        d_up = grad * F.silu(gate) if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
 
 
 class DecoderLayer(nn.Module):

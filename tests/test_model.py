@@ -304,3 +304,26 @@ def test_linear_computes_f_linear_in_every_form(rows):
     assert torch.equal(M.linear(x, column_major, b), torch.nn.functional.linear(x, column_major, b))
     assert torch.equal(M.linear(x.float(), W.float(), b.float()), torch.nn.functional.linear(x.float(), W.float(), b.float()))
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_gives_autograds_gradients_to_the_bit_and_keeps_only_its_inputs(dtype):
+    g = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(6, 40, generator=g).to(dtype) for _ in range(2))
+    upstream = torch.randn(6, 40, generator=g).to(dtype)
+    kept = []
+    def keep(t):
+        kept.append(t)
+        return t
+    g1, u1 = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        out = M.SwiGLU.apply(g1, u1)
+    assert len(kept) == 2 and kept[0] is g1 and kept[1] is u1  # not silu(gate)
+    out.backward(upstream)
+    g2, u2 = gate.clone().requires_grad_(True), up.clone().requires_grad_(True)
+    expected = torch.nn.functional.silu(g2) * u2
+    expected.backward(upstream)
+    assert torch.equal(out, expected) and torch.equal(g1.grad, g2.grad) and torch.equal(u1.grad, u2.grad)
+    # only the gradient asked for is formed
+    g3 = gate.clone().requires_grad_(True)
+    M.SwiGLU.apply(g3, up).backward(upstream)
+    assert torch.equal(g3.grad, g2.grad)
