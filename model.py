@@ -355,14 +355,19 @@ class Qwen3(nn.Module):
 
     def token_kl(self, student_hidden, teacher_hidden, direction="reverse", chunk_size=1024):
         """Per-state KL between next-token distributions, (N,) in fp32, chunked like
-        token_logprobs. reverse: KL(student || teacher); forward: KL(teacher || student)."""
+        token_logprobs. reverse: KL(student || teacher); forward: KL(teacher || student).
+        Only the student's states get a gradient. With the output layer frozen (LoRA), or
+        without a gradient, no tensor of vocabulary width is made (HeadKL); when the output
+        layer trains too, chunks are recomputed in the backward pass."""
         out = []
+        weight = self.lm_head.weight
         for hs, ht in zip(student_hidden.split(chunk_size), teacher_hidden.split(chunk_size)):
-            fn = lambda a, b: self._chunk_kl(a, b, direction)
-            if torch.is_grad_enabled() and hs.requires_grad:
+            with_grad = torch.is_grad_enabled() and hs.requires_grad
+            if with_grad and weight.requires_grad:
+                fn = lambda a, b: self._chunk_kl(a, b, direction)
                 out.append(torch.utils.checkpoint.checkpoint(fn, hs, ht, use_reentrant=False))
             else:
-                out.append(fn(hs, ht))
+                out.append(HeadKL.apply(hs, ht.detach(), weight.detach(), direction, with_grad))
         return torch.cat(out) if out else student_hidden.new_zeros(0, dtype=torch.float32)
 
     def _chunk_kl(self, hs, ht, direction):
@@ -423,6 +428,63 @@ class HeadLogprob(torch.autograd.Function):
     def backward(ctx, grad):
         (d_logp_d_h,) = ctx.saved_tensors
         return (grad.float()[:, None] * d_logp_d_h).to(ctx.h_dtype), None, None
+
+
+class HeadKL(torch.autograd.Function):
+    """Per-state KL between the next-token distributions that a frozen output layer W gives
+    student states hs and teacher states ht, sliced like HeadLogprob: for each of the two
+    a running max and sum of exponentials, and the sums below, rescaled as the maxes grow.
+    With z the logits, p the distributions and lse the log-normalisers,
+      reverse: KL = sum p_s (z_s - z_t) - lse_s + lse_t,
+               d KL / d hs = sum_v p_s,v (z_s,v - z_t,v - KL - lse_s + lse_t) W[v];
+      forward: KL = sum p_t (z_t - z_s) - lse_t + lse_s,
+               d KL / d hs = sum_v (p_s,v - p_t,v) W[v].
+    The gradient is formed in the forward pass (when with_grad) and only scaled in the
+    backward pass. Identical distributions give a KL and a gradient of exactly zero, not
+    float noise that Adam would scale up into a full-size step: the same operations on the
+    same values cancel exactly."""
+
+    @staticmethod
+    def forward(ctx, hs, ht, weight, direction, with_grad):
+        reverse = direction == "reverse"
+        filled = lambda *shape, fill=0.0: hs.new_full(shape, fill, dtype=torch.float32)
+        n = len(hs)
+        top_s, top_t = filled(n, 1, fill=float("-inf")), filled(n, 1, fill=float("-inf"))
+        sum_s, sum_t = filled(n, 1), filled(n, 1)
+        gap = filled(n, 1)  # sum e_s (z_s - z_t) (reverse) or sum e_t (z_t - z_s) (forward)
+        rows_s = filled(n, weight.shape[1])  # sum e_s W[v]
+        rows_other = filled(n, weight.shape[1])  # sum e_s (z_s - z_t) W[v] (reverse) or sum e_t W[v] (forward)
+        for start in range(0, len(weight), VOCAB_SLICE):
+            w = weight[start:start + VOCAB_SLICE]
+            z_s, z_t = F.linear(hs, w).float(), F.linear(ht, w).float()
+            new_top_s = torch.maximum(top_s, z_s.amax(-1, keepdim=True))
+            new_top_t = torch.maximum(top_t, z_t.amax(-1, keepdim=True))
+            shrink_s, shrink_t = (top_s - new_top_s).exp(), (top_t - new_top_t).exp()
+            e_s, e_t = (z_s - new_top_s).exp(), (z_t - new_top_t).exp()
+            sum_s, sum_t = sum_s * shrink_s + e_s.sum(-1, keepdim=True), sum_t * shrink_t + e_t.sum(-1, keepdim=True)
+            weighted_gap = e_s * (z_s - z_t) if reverse else e_t * (z_t - z_s)
+            shrink_gap, e_other = (shrink_s, weighted_gap) if reverse else (shrink_t, e_t)
+            gap = gap * shrink_gap + weighted_gap.sum(-1, keepdim=True)
+            if with_grad:
+                rows_s = rows_s * shrink_s + (e_s.to(w.dtype) @ w).float()
+                rows_other = rows_other * shrink_gap + (e_other.to(w.dtype) @ w).float()
+            top_s, top_t = new_top_s, new_top_t
+        lse_s, lse_t = top_s + sum_s.log(), top_t + sum_t.log()
+        if reverse:
+            kl = gap / sum_s - lse_s + lse_t
+            d_kl_d_hs = (rows_other - gap / sum_s * rows_s) / sum_s  # KL + lse_s - lse_t = gap / sum_s
+        else:
+            kl = gap / sum_t - lse_t + lse_s
+            d_kl_d_hs = rows_s / sum_s - rows_other / sum_t
+        if with_grad:
+            ctx.save_for_backward(d_kl_d_hs)
+            ctx.hs_dtype = hs.dtype
+        return kl.squeeze(-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (d_kl_d_hs,) = ctx.saved_tensors
+        return (grad.float()[:, None] * d_kl_d_hs).to(ctx.hs_dtype), None, None, None, None
 
 
 def left_pad(seqs, pad_id, device=None):

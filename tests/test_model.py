@@ -186,8 +186,13 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
-def test_token_kl_value_and_gradient(tiny_model, direction):
+@pytest.mark.parametrize("head, vocab_slice", [("trainable", 4096), ("frozen", 4096), ("frozen", 96)])
+def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, monkeypatch):
+    # a trainable output layer takes checkpointed chunks; a frozen one (LoRA), and any pass
+    # without a gradient, HeadKL over the whole 400-token vocabulary or slices of 96
+    monkeypatch.setattr(M, "VOCAB_SLICE", vocab_slice)
     ours, tok = M.load(tiny_model)
+    ours.lm_head.weight.requires_grad_(head == "trainable")
     ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
     with torch.no_grad():
         hs = ours(ids, hidden_only=True)[0]
@@ -198,6 +203,8 @@ def test_token_kl_value_and_gradient(tiny_model, direction):
     ls, lt = ours.lm_head(h2).log_softmax(-1), ours.lm_head(ht).log_softmax(-1)
     expected = (ls.exp() * (ls - lt)).sum(-1) if direction == "reverse" else (lt.exp() * (lt - ls)).sum(-1)
     assert torch.allclose(got, expected, atol=1e-5) and (got > 0).all()
+    with torch.no_grad():
+        assert torch.allclose(ours.token_kl(hs, ht, direction, chunk_size=3), expected, atol=1e-5)
     got.sum().backward()
     expected.sum().backward()
     assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
