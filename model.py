@@ -333,20 +333,19 @@ class Qwen3(nn.Module):
         return KVCache(self.config, batch_size, max_len, p.device, p.dtype)
 
     def token_logprobs(self, hidden, targets, chunk_size=512):
-        """log p(target | state) in fp32 for hidden states (N, hidden) and targets (N,).
-        Logits are built chunk by chunk, so the full (N, vocab) matrix never lives in
-        memory at once (151,936 columns for Qwen3). With the output layer frozen (LoRA),
-        each chunk's gradient is formed while its logits are at hand (HeadLogprob);
-        when the output layer trains too, chunks are recomputed in the backward pass."""
+        """log p(target | state) in fp32 for hidden states (N, hidden) and targets (N,),
+        in chunks of states. With the output layer frozen (LoRA), or without a gradient,
+        no tensor of vocabulary width is made (151,936 columns for Qwen3; HeadLogprob),
+        and a gradient pass gives the same values as one without; when the output layer
+        trains too, chunks are recomputed in the backward pass."""
         out = []
-        frozen_head = not self.lm_head.weight.requires_grad
+        weight = self.lm_head.weight
         for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
-            if not (torch.is_grad_enabled() and h.requires_grad):
-                out.append(self._chunk_logprobs(h, t))
-            elif frozen_head:
-                out.append(HeadLogprob.apply(h, self.lm_head.weight, t))
-            else:
+            with_grad = torch.is_grad_enabled() and h.requires_grad
+            if with_grad and weight.requires_grad:
                 out.append(torch.utils.checkpoint.checkpoint(self._chunk_logprobs, h, t, use_reentrant=False))
+            else:
+                out.append(HeadLogprob.apply(h, weight.detach(), t, with_grad))
         return torch.cat(out) if out else hidden.new_zeros(0, dtype=torch.float32)
 
     def _chunk_logprobs(self, h, t):
@@ -394,15 +393,15 @@ VOCAB_SLICE = 4096  # output-layer columns HeadLogprob forms at a time
 class HeadLogprob(torch.autograd.Function):
     """log p(target | state) for a chunk of states under a frozen output layer W. Its
     gradient with respect to state i is g_i * (W[target_i] - softmax_i @ W): the bracket
-    is known as soon as the logits are, so the forward pass forms it and the backward pass
-    only scales it. The logits are made VOCAB_SLICE columns at a time, keeping a running
-    max, sum of exponentials and softmax-weighted sum of W's rows that are rescaled when
-    the max grows (the softmax of flash attention): no (chunk, vocab) tensor is ever made,
-    each slice of W is read for its logits and straight away for its product, and the
-    result equals the one-pass softmax up to float rounding."""
+    is known as soon as the logits are, so the forward pass forms it (when with_grad) and
+    the backward pass only scales it. The logits are made VOCAB_SLICE columns at a time,
+    keeping a running max, sum of exponentials and softmax-weighted sum of W's rows that
+    are rescaled when the max grows (the softmax of flash attention): no (chunk, vocab)
+    tensor is ever made, each slice of W is read for its logits and straight away for its
+    product, and the result equals the one-pass softmax up to float rounding."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets):
+    def forward(ctx, h, weight, targets, with_grad):
         n = len(h)
         top = h.new_full((n, 1), float("-inf"), dtype=torch.float32)
         total = h.new_zeros((n, 1), dtype=torch.float32)
@@ -418,16 +417,18 @@ class HeadLogprob(torch.autograd.Function):
             shrink = (top - new_top).exp()  # 0 at the first slice, where top is -inf
             exp = logits.sub_(new_top).exp_()  # in place: the one (chunk, slice) buffer
             total = total * shrink + exp.sum(-1, keepdim=True)
-            weighted_rows = weighted_rows * shrink + (exp.to(w.dtype) @ w).float()
+            if with_grad:
+                weighted_rows = weighted_rows * shrink + (exp.to(w.dtype) @ w).float()
             top = new_top
-        ctx.save_for_backward(weight[targets].float() - weighted_rows / total)
-        ctx.h_dtype = h.dtype
+        if with_grad:
+            ctx.save_for_backward(weight[targets].float() - weighted_rows / total)
+            ctx.h_dtype = h.dtype
         return (target_logit - top - total.log()).squeeze(-1)
 
     @staticmethod
     def backward(ctx, grad):
         (d_logp_d_h,) = ctx.saved_tensors
-        return (grad.float()[:, None] * d_logp_d_h).to(ctx.h_dtype), None, None
+        return (grad.float()[:, None] * d_logp_d_h).to(ctx.h_dtype), None, None, None
 
 
 class HeadKL(torch.autograd.Function):
