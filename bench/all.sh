@@ -10,7 +10,7 @@ mkdir -p "$out"
 config=${BENCH_CONFIG:-../shared/qwen3-0.6b-base}
 export PYTHONUNBUFFERED=1
 status=0
-for name in sample group train_step mmlu layout; do
+for name in sample group train_step head mmlu layout; do
     echo "== bench/$name.py"
     python3 bench/$name.py --config "$config" "$@" 2>&1 | tee "$out/$name.txt" || status=1
 done

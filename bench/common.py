@@ -121,6 +121,33 @@ def race(fns, device, repeats=3):
     return best, results
 
 
+def step_peak_memory(step, device):
+    """Most bytes held at once during one step beyond what was held before it (activations,
+    logits, gradients, temporaries). CUDA: the caching allocator's own count. CPU: the
+    running sum of every allocation and free the profiler records (the resident set would
+    count memory that malloc keeps after a free)."""
+    synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        return torch.cuda.max_memory_allocated(device) - before
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    # each allocation (+bytes) and free (-bytes) at its own time. The per-operator sums of
+    # prof.events() would book a free made inside an operator at the operator's start,
+    # before its children's allocations, and so miss what a custom autograd Function
+    # (HeadLogprob) allocates and frees within its forward.
+    changes = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    held = peak = 0
+    for _, change in changes:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
 def markdown(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -72,12 +74,26 @@ def test_layout_bench_times_the_few_row_forms_in_bf16(tiny_model):
     assert all(float(r[4].rstrip("x")) > 0 for r in rows), rows
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_head_bench_computes_what_the_full_logits_compute(tiny_model, dtype):
+    rows = bench("head.py", "--config", tiny_model, "--states", "37", "--repeats", "1", dtype=dtype)
+    assert [(r[1], r[2]) for r in rows] == [("log-probs", "no"), ("log-probs", "yes"),
+                                            ("reverse KL", "no"), ("reverse KL", "yes")], rows
+    # fp32: float rounding only; bf16: the probabilities are rounded to bf16 before their
+    # product with the output layer, and the two pass the logits through different kernels
+    value_bound, grad_bound = (1e-5, 1e-5) if dtype == "fp32" else (5e-2, 5e-2)
+    for row in rows:
+        assert float(row[6].rstrip("x")) > 0 and float(row[9].rstrip("x")) > 0, row
+        assert float(row[10]) <= value_bound, row
+        assert row[11] == "-" if row[2] == "no" else float(row[11]) <= grad_bound, row
+
+
 def test_peak_memory_sees_what_an_autograd_function_allocates_and_frees_inside():
     # the kind of allocation HeadLogprob makes: a large scratch tensor that lives and dies
     # within one custom Function's forward
     import torch
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from train_step import step_peak_memory
+    from common import step_peak_memory
 
     class Scratch(torch.autograd.Function):
         @staticmethod
