@@ -335,3 +335,31 @@ def test_swiglu_gives_autograds_gradients_to_the_bit_and_keeps_only_its_inputs(d
     g3 = gate.clone().requires_grad_(True)
     M.SwiGLU.apply(g3, up).backward(upstream)
     assert torch.equal(g3.grad, g2.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_in_closed_form_matches_autograd_and_keeps_the_input_as_it_came(dtype):
+    g = torch.Generator().manual_seed(0)
+    norm = M.RMSNorm(32, 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(32, generator=g))
+    x, upstream = (3 * torch.randn(5, 3, 32, generator=g)).to(dtype), torch.randn(5, 3, 32, generator=g).to(dtype)
+    kept = []
+    x1 = x.clone().requires_grad_(True)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        y1 = norm(x1)
+    assert any(t is x1 for t in kept)  # the input as it came
+    assert not any(t.dtype == torch.float32 and t.shape == x.shape for t in kept if t is not x1)  # no fp32 copy of it
+    y1.backward(upstream)
+    with torch.no_grad():
+        assert torch.equal(y1, norm(x))  # the forward pass is the plain one, to the bit
+    # autograd through the plain operations, and the exact gradients in fp64
+    x2, w2 = x.clone().requires_grad_(True), norm.weight.detach().clone().requires_grad_(True)
+    h = x2.float()
+    (w2 * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)).backward(upstream)
+    x3, w3 = x.double().requires_grad_(True), norm.weight.detach().double().requires_grad_(True)
+    (w3 * x3 * torch.rsqrt(x3.pow(2).mean(-1, keepdim=True) + 1e-6)).backward(upstream.double())
+    for ours, autograd, exact in ((x1.grad, x2.grad, x3.grad), (norm.weight.grad, w2.grad, w3.grad)):
+        assert ours.dtype == dtype
+        error, autograd_error = (ours.double() - exact).abs().max(), (autograd.double() - exact).abs().max()
+        assert error <= 1.5 * autograd_error + 1e-6 * exact.abs().max(), (error, autograd_error)
