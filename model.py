@@ -6,6 +6,11 @@ load() from a local folder or a Hugging Face hub id, plus a small tokenizer wrap
 Module names are Hugging Face's (model.layers.N.self_attn.q_proj, ...), so an official
 model.safetensors loads with load_state_dict and no name map, and LoRA keys match PEFT's.
 Numerics follow transformers' Qwen3ForCausalLM (tests/test_model.py checks parity).
+
+Four autograd Functions write their backward passes by hand to keep less for them or to
+skip tensors of vocabulary width: RMSNormFunction, SwiGLU, HeadLogprob and HeadKL. Their
+forward passes compute what the plain operations compute; tests hold their gradients to
+autograd's, and the whole LoRA training pass to transformers + peft (tests/test_lora.py).
 """
 import json
 import os
