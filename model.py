@@ -373,6 +373,10 @@ class Qwen3(nn.Module):
         trains too, chunks are recomputed in the backward pass."""
         out = []
         weight = self.lm_head.weight
+        if targets.numel() and not 0 <= int(targets.min()) <= int(targets.max()) < len(weight):
+            # checked here because HeadLogprob's slices would not fail on such an id, only miss it
+            raise ValueError(f"token_logprobs: target ids must lie in [0, {len(weight)}), got {int(targets.min())} to "
+                             f"{int(targets.max())}; leave out the positions not to score instead of marking them (-100)")
         for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
             with_grad = torch.is_grad_enabled() and h.requires_grad
             if with_grad and weight.requires_grad:

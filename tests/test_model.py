@@ -185,6 +185,13 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub id"):
         M.load(str(tmp_path / "does" / "not" / "exist"))
 
+    ours, _ = M.load(tiny_model)
+    hidden = torch.randn(3, ours.config.hidden_size)
+    for bad in (-100, ours.config.vocab_size):  # an ignore label; one past the vocabulary
+        with pytest.raises(ValueError, match=r"target ids must lie in \[0, 400\)") as e:
+            ours.token_logprobs(hidden, torch.tensor([1, bad, 2]))
+        assert "\n" not in str(e.value)
+
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
 @pytest.mark.parametrize("head, vocab_slice", [("trainable", 4096), ("frozen", 4096), ("frozen", 96)])
