@@ -395,6 +395,9 @@ class Qwen3(nn.Module):
         Only the student's states get a gradient. With the output layer frozen (LoRA), or
         without a gradient, no tensor of vocabulary width is made (HeadKL); when the output
         layer trains too, chunks are recomputed in the backward pass."""
+        if student_hidden.shape != teacher_hidden.shape:
+            raise ValueError(f"token_kl: student states {tuple(student_hidden.shape)} and teacher states "
+                             f"{tuple(teacher_hidden.shape)} differ; pass the two models' states at the same positions")
         out = []
         weight = self.lm_head.weight
         for hs, ht in zip(student_hidden.split(chunk_size), teacher_hidden.split(chunk_size)):

@@ -191,6 +191,8 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
         with pytest.raises(ValueError, match=r"target ids must lie in \[0, 400\)") as e:
             ours.token_logprobs(hidden, torch.tensor([1, bad, 2]))
         assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"token_kl: student states \(3, 64\) and teacher states \(2, 64\) differ"):
+        ours.token_kl(hidden, hidden[:2])
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
