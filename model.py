@@ -395,6 +395,8 @@ class Qwen3(nn.Module):
         Only the student's states get a gradient. With the output layer frozen (LoRA), or
         without a gradient, no tensor of vocabulary width is made (HeadKL); when the output
         layer trains too, chunks are recomputed in the backward pass."""
+        if direction not in ("reverse", "forward"):
+            raise ValueError(f"token_kl: direction {direction!r} is neither 'reverse' (KL(student || teacher)) nor 'forward'")
         if student_hidden.shape != teacher_hidden.shape:
             raise ValueError(f"token_kl: student states {tuple(student_hidden.shape)} and teacher states "
                              f"{tuple(teacher_hidden.shape)} differ; pass the two models' states at the same positions")

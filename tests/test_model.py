@@ -193,6 +193,8 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"token_kl: student states \(3, 64\) and teacher states \(2, 64\) differ"):
         ours.token_kl(hidden, hidden[:2])
+    with pytest.raises(ValueError, match="direction 'backward' is neither 'reverse'"):
+        ours.token_kl(hidden, hidden, "backward")
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
