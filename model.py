@@ -429,7 +429,7 @@ class Qwen3(nn.Module):
         return kl.detach() + surrogate - surrogate.detach()
 
 
-VOCAB_SLICE = 4096  # output-layer columns HeadLogprob forms at a time
+VOCAB_SLICE = 4096  # output-layer columns that HeadLogprob and HeadKL form at a time
 
 
 class HeadLogprob(torch.autograd.Function):
