@@ -112,14 +112,19 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return RMSNormFunction.apply(x, self.weight, self.eps)
-        # normalise in fp32 whatever the activation dtype, like the reference implementation
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)[0]
+
+
+def rms_norm(x, weight, eps):
+    """RMSNorm's output and 1 / rms(x). Normalised in fp32 whatever the activation dtype,
+    like the reference implementation."""
+    h = x.float()
+    inverse_rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (h * inverse_rms).to(x.dtype), inverse_rms
 
 
 class RMSNormFunction(torch.autograd.Function):
-    """RMSNorm's forward pass by the very operations of RMSNorm.forward, and its backward
+    """RMSNorm's forward pass by the very operations of rms_norm, and its backward
     pass in closed form: with n = x r the normalised input, r = 1 / rms(x) and g the
     gradient reaching n, d x = r (g - n mean(g n)). Autograd would keep the fp32 copy of
     a bf16 input, twice the input's bytes (10 MB per Qwen3-0.6B layer at 4 x 256 tokens);
@@ -127,10 +132,9 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, eps):
-        h = x.float()
-        inverse_rms = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        y, inverse_rms = rms_norm(x, weight, eps)
         ctx.save_for_backward(x, weight, inverse_rms)
-        return weight * (h * inverse_rms).to(x.dtype)
+        return y
 
     @staticmethod
     def backward(ctx, grad):
@@ -373,10 +377,11 @@ class Qwen3(nn.Module):
         trains too, chunks are recomputed in the backward pass."""
         out = []
         weight = self.lm_head.weight
-        if targets.numel() and not 0 <= int(targets.min()) <= int(targets.max()) < len(weight):
+        lowest, highest = (int(targets.min()), int(targets.max())) if targets.numel() else (0, 0)
+        if not 0 <= lowest <= highest < len(weight):
             # checked here because HeadLogprob's slices would not fail on such an id, only miss it
-            raise ValueError(f"token_logprobs: target ids must lie in [0, {len(weight)}), got {int(targets.min())} to "
-                             f"{int(targets.max())}; leave out the positions not to score instead of marking them (-100)")
+            raise ValueError(f"token_logprobs: target ids must lie in [0, {len(weight)}), got {lowest} to {highest}; "
+                             f"leave out the positions not to score instead of marking them (-100)")
         for h, t in zip(hidden.split(chunk_size), targets.split(chunk_size)):
             with_grad = torch.is_grad_enabled() and h.requires_grad
             if with_grad and weight.requires_grad:
@@ -432,6 +437,18 @@ class Qwen3(nn.Module):
 VOCAB_SLICE = 4096  # output-layer columns that HeadLogprob and HeadKL form at a time
 
 
+def fold_slice(top, total, logits, in_place=False):
+    """One slice of fp32 logits (rows, slice) folded into a running max `top` and sum of
+    exponentials `total` (rows, 1). Returns the new max, the factor that rescales any sum
+    over earlier slices to it (0 at the first slice, where top is -inf), the slice's
+    exp(logits - new max), and the new total. in_place: the exponentials overwrite the
+    logits, saving a (rows, slice) buffer where the logits are not needed after."""
+    new_top = torch.maximum(top, logits.amax(-1, keepdim=True))
+    shrink = (top - new_top).exp()
+    exp = (logits.sub_(new_top) if in_place else logits - new_top).exp_()
+    return new_top, shrink, exp, total * shrink + exp.sum(-1, keepdim=True)
+
+
 class HeadLogprob(torch.autograd.Function):
     """log p(target | state) for a chunk of states under a frozen output layer W. Its
     gradient with respect to state i is g_i * (W[target_i] - softmax_i @ W): the bracket
@@ -455,13 +472,9 @@ class HeadLogprob(torch.autograd.Function):
             inside = ((targets >= start) & (targets < start + len(w)))[:, None]
             picked = logits.gather(-1, (targets - start).clamp(0, len(w) - 1)[:, None])
             target_logit = torch.where(inside, picked, target_logit)
-            new_top = torch.maximum(top, logits.amax(-1, keepdim=True))
-            shrink = (top - new_top).exp()  # 0 at the first slice, where top is -inf
-            exp = logits.sub_(new_top).exp_()  # in place: the one (chunk, slice) buffer
-            total = total * shrink + exp.sum(-1, keepdim=True)
+            top, shrink, exp, total = fold_slice(top, total, logits, in_place=True)
             if with_grad:
                 weighted_rows = weighted_rows * shrink + (exp.to(w.dtype) @ w).float()
-            top = new_top
         if with_grad:
             ctx.save_for_backward(weight[targets].float() - weighted_rows / total)
             ctx.h_dtype = h.dtype
@@ -500,18 +513,14 @@ class HeadKL(torch.autograd.Function):
         for start in range(0, len(weight), VOCAB_SLICE):
             w = weight[start:start + VOCAB_SLICE]
             z_s, z_t = F.linear(hs, w).float(), F.linear(ht, w).float()
-            new_top_s = torch.maximum(top_s, z_s.amax(-1, keepdim=True))
-            new_top_t = torch.maximum(top_t, z_t.amax(-1, keepdim=True))
-            shrink_s, shrink_t = (top_s - new_top_s).exp(), (top_t - new_top_t).exp()
-            e_s, e_t = (z_s - new_top_s).exp(), (z_t - new_top_t).exp()
-            sum_s, sum_t = sum_s * shrink_s + e_s.sum(-1, keepdim=True), sum_t * shrink_t + e_t.sum(-1, keepdim=True)
+            top_s, shrink_s, e_s, sum_s = fold_slice(top_s, sum_s, z_s)
+            top_t, shrink_t, e_t, sum_t = fold_slice(top_t, sum_t, z_t)
             weighted_gap = e_s * (z_s - z_t) if reverse else e_t * (z_t - z_s)
             shrink_gap, e_other = (shrink_s, weighted_gap) if reverse else (shrink_t, e_t)
             gap = gap * shrink_gap + weighted_gap.sum(-1, keepdim=True)
             if with_grad:
                 rows_s = rows_s * shrink_s + (e_s.to(w.dtype) @ w).float()
                 rows_other = rows_other * shrink_gap + (e_other.to(w.dtype) @ w).float()
-            top_s, top_t = new_top_s, new_top_t
         lse_s, lse_t = top_s + sum_s.log(), top_t + sum_t.log()
         if reverse:
             kl = gap / sum_s - lse_s + lse_t

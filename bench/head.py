@@ -8,8 +8,8 @@ to the (student's) states. Ours is model.token_logprobs and model.token_kl with 
 output layer frozen, as LoRA training has it (HeadLogprob, HeadKL: 4,096 output columns
 at a time, no tensor of vocabulary width). The reference builds the [states, vocab] logits
 and their log-softmax, as transformers' loss and a plain PyTorch KL do, with autograd for
-the gradient. The two take turns; the fastest of --repeats counts; peak memory as in
-bench/train_step.py; the differences are the largest between the two in the values and,
+the gradient. The two take turns; the fastest of --repeats counts; peak memory by
+bench/common.step_peak_memory; the differences are the largest between the two in the values and,
 relative to the largest gradient entry, in the gradients.
 
     python bench/head.py
