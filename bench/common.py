@@ -1,7 +1,9 @@
 """What every benchmark shares: the reference model built from the official Qwen3-0.6B
 config with random weights, our model on the very same tensors, and timing that waits for
-the device. Benchmarks print tables; they never pass or fail."""
+the device and pairs the implementations round by round. Benchmarks print tables; they
+never pass or fail."""
 import os
+import statistics
 import sys
 import time
 
@@ -109,16 +111,46 @@ def timed(fn, device, repeats=1):
     return best, out
 
 
+class Race:
+    """What race() measured: rounds[r][i] is function i's seconds in round r, and results[i]
+    function i's last result."""
+
+    def __init__(self, rounds, results):
+        self.rounds, self.results = rounds, results
+
+    @property
+    def best(self):
+        """Each function's fastest round."""
+        return [min(times) for times in zip(*self.rounds)]
+
+    def ratio(self, slow, fast):
+        """How many times faster function `fast` ran than function `slow`: the median over
+        rounds of the two's ratio within a round, and the lowest and highest of those
+        ratios. Within a round the two ran one soon after the other, so a slow spell of a
+        shared machine (a 2-core cloud machine's speed can swing twofold within a minute)
+        mostly slows both sides of that round's ratio, where it moves a ratio of each side's
+        best time taken from different rounds."""
+        ratios = sorted(times[slow] / times[fast] for times in self.rounds)
+        return statistics.median(ratios), ratios[0], ratios[-1]
+
+    def ratio_cells(self, slow, fast):
+        """ratio() as two table cells: the median, and the range over rounds."""
+        median, low, high = self.ratio(slow, fast)
+        return f"{median:.2f}x", f"{low:.2f}x to {high:.2f}x"
+
+
 def race(fns, device, repeats=3):
-    """Best time of each function over `repeats` rounds, the functions taking turns within
-    a round so that a slow spell of a shared machine hits all of them; and each one's last
-    result. Call each once beforehand to warm up."""
-    best, results = [float("inf")] * len(fns), [None] * len(fns)
+    """Time each function in each of `repeats` rounds, the functions taking turns within a
+    round so that a slow spell of a shared machine hits all of them. Call each once
+    beforehand to warm up. Returns a Race."""
+    rounds, results = [], [None] * len(fns)
     for _ in range(repeats):
+        times = []
         for i, fn in enumerate(fns):
             seconds, results[i] = timed(fn, device)
-            best[i] = min(best[i], seconds)
-    return best, results
+            times.append(seconds)
+        rounds.append(times)
+    return Race(rounds, results)
 
 
 def step_peak_memory(step, device):

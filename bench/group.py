@@ -4,7 +4,9 @@ Ours prefills each prompt once and copies its KV cache to the 8 samples
 (sample.generate(n=8)); transformers' generate(num_return_sequences=8) repeats each prompt
 8 times and prefills all 64 rows. Same random Qwen3-0.6B-shape weights, both dtypes.
 Prompts are random ids, 96 tokens by default: about the length of a zero-shot GSM8K
-question in rl.py's format. Prints samples per second and the ratio (higher is better).
+question in rl.py's format. Prints samples per second (each side's fastest round) and the
+ratio (higher is better): the median over rounds of the ratio within a round, with its
+range.
 
 As in rl.py, the policy carries a LoRA adapter (rank 16 on all seven linear layers of
 every block; --rank 0 for the plain model): ours from lora.add_lora, transformers' from
@@ -34,7 +36,7 @@ def main():
     p.add_argument("--modes", default=None, help="decode loops of ours to time, e.g. dropping,fixed "
                                                  "(default: graph,dropping on CUDA, dropping elsewhere)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the policy's adapter (0: no adapter)")
-    p.add_argument("--repeats", type=int, default=1, help="timed rounds, implementations taking turns; the best counts")
+    p.add_argument("--repeats", type=int, default=1, help="timed rounds, implementations taking turns")
     args = p.parse_args()
     device = setup(args)
     B, n, T = args.prompts, args.samples, args.new_tokens
@@ -70,21 +72,22 @@ def main():
             for mode, fold in settings:
                 generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode,
                          fold_adapter=fold)
-            (t_ref, *t_ours), (out_ref, *out_ours) = race([run_ref] + runs, device, args.repeats)
+            timing = race([run_ref] + runs, device, args.repeats)
+        (t_ref, *t_ours), (out_ref, *out_ours) = timing.best, timing.results
         assert out_ref.shape == (B * n, args.prompt_tokens + T)
-        for (mode, fold), t, out in zip(settings, t_ours, out_ours):
+        for i, ((mode, fold), t, out) in enumerate(zip(settings, t_ours, out_ours), start=1):
             assert all(len(r.completion_ids) == T for r in out)
             # same seeds, and folding changes the weights' rounding only, so every setting should
             # draw the same samples (in bf16 rounding can part a few)
             same = sum(a.completion_ids == b.completion_ids for a, b in zip(out_ours[0], out)) / len(out)
             adapter = f"rank {args.rank}, " + ("folded" if fold else "own products") if args.rank else "none"
             rows.append((dtype_name, f"{B}x{n}", T, mode, adapter, f"{B * n / t:.2f}", f"{B * n / t_ref:.2f}",
-                         f"{t_ref / t:.2f}x", f"{same:.0%}"))
+                         *timing.ratio_cells(0, i), f"{same:.0%}"))
             print(*rows[-1], flush=True)
         del ours, ref
     print()
     print(markdown(["dtype", "prompts x samples", "new tokens", "ours: decode", "adapter", "ours samples/s",
-                    "transformers samples/s", "ratio", "samples equal to the first row's"], rows))
+                    "transformers samples/s", "ratio", "ratio's range", "samples equal to the first row's"], rows))
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ to the (student's) states. Ours is model.token_logprobs and model.token_kl with 
 output layer frozen, as LoRA training has it (HeadLogprob, HeadKL: 4,096 output columns
 at a time, no tensor of vocabulary width). The reference builds the [states, vocab] logits
 and their log-softmax, as transformers' loss and a plain PyTorch KL do, with autograd for
-the gradient. The two take turns; the fastest of --repeats counts; peak memory by
-bench/common.step_peak_memory; the differences are the largest between the two in the values and,
+the gradient. The two take turns for --repeats rounds: seconds are each one's fastest
+round, the speed ratio the median over rounds of the ratio within a round (with its
+range); peak memory by bench/common.step_peak_memory; the differences are the largest between the two in the values and,
 relative to the largest gradient entry, in the gradients.
 
     python bench/head.py
@@ -61,7 +62,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
     p.add_argument("--states", type=int, default=1024, help="states (rows); sft's 4 x 256 step has 1,020")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds, the two taking turns")
     args = p.parse_args()
     device = setup(args)
     rows = []
@@ -79,18 +80,20 @@ def main():
                 fns = [pass_of(ours, student, with_grad), pass_of(full, student, with_grad)]
                 for fn in fns:
                     fn()  # warm-up
-                (t_ours, t_full), ((v_ours, g_ours), (v_full, g_full)) = race(fns, device, args.repeats)
+                timing = race(fns, device, args.repeats)
+                (t_ours, t_full), ((v_ours, g_ours), (v_full, g_full)) = timing.best, timing.results
                 peaks = [step_peak_memory(fn, device) for fn in fns]
                 grad_diff = "-" if not with_grad else \
                     f"{((g_ours.float() - g_full.float()).abs().max() / g_full.float().abs().max()).item():.1e}"
                 rows.append((dtype_name, name, "yes" if with_grad else "no", args.states, f"{t_ours:.3f}",
-                             f"{t_full:.3f}", f"{t_full / t_ours:.2f}x", f"{peaks[0] / 2**20:.0f}",
+                             f"{t_full:.3f}", *timing.ratio_cells(1, 0), f"{peaks[0] / 2**20:.0f}",
                              f"{peaks[1] / 2**20:.0f}", f"{peaks[0] / peaks[1]:.2f}x",
                              f"{(v_ours - v_full).abs().max().item():.1e}", grad_diff))
                 print(" ".join(map(str, rows[-1])), flush=True)
         del model, weight, student, teacher
     print()
-    print(markdown(["dtype", "work", "gradient", "states", "ours s", "full logits s", "speed ratio", "ours peak MiB",
+    print(markdown(["dtype", "work", "gradient", "states", "ours s", "full logits s", "speed ratio", "speed ratio's range",
+                    "ours peak MiB",
                     "full peak MiB", "memory ratio", "max value difference", "max gradient difference"], rows))
 
 

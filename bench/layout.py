@@ -4,9 +4,10 @@ row-major, as checkpoints store it (out, in), against the very same values colum
 (the order load() picks on the CPU in fp32), the two taking turns in one run. Greedy
 decode at 1 and 8 rows (as bench/sample.py) and 64 rows (RL's 8 x 8 group sampling), and
 one LoRA forward and backward at 4 x 256 tokens (as bench/train_step.py, without the
-optimizer). Prints seconds and the ratio row-major / column-major (above 1: column-major
-is faster). Which order is faster is a property of the CPU's matrix kernels, so on other
-hardware run this before trusting the choice load() makes.
+optimizer). Prints seconds (each order's fastest round) and the ratio row-major /
+column-major (above 1: column-major is faster), the median over rounds of the ratio of two
+runs made back to back, with its range. Which order is faster is a property of the CPU's
+matrix kernels, so on other hardware run this before trusting the choice load() makes.
 
 In bf16 a second table: greedy decode on the row-major model (bf16's order) with every
 product as F.linear computes it, against model.linear's forms for a few rows (the weight
@@ -57,7 +58,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--train", default="4x256", help="batch x length of the LoRA forward and backward; 0 to skip")
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds, the two layouts taking turns; the best counts")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds, the two layouts taking turns")
     args = p.parse_args()
     device = setup(args)
     rows, forms = [], []
@@ -74,33 +75,38 @@ def main():
                                              temperature=0) for m in models]
                 for run in runs:
                     run()  # warm-up
-                (t_row, t_col), (out_row, out_col) = race(runs, device, args.repeats)
+                timing = race(runs, device, args.repeats)
+                (t_row, t_col), (out_row, out_col) = timing.best, timing.results
                 same = [r.completion_ids for r in out_row] == [r.completion_ids for r in out_col]
-                rows.append((dtype_name, f"decode, batch {B}", f"{t_row:.2f}", f"{t_col:.2f}", f"{t_row / t_col:.2f}x",
+                rows.append((dtype_name, f"decode, batch {B}", f"{t_row:.2f}", f"{t_col:.2f}", *timing.ratio_cells(0, 1),
                              "yes" if same else "no"))
                 print(*rows[-1], flush=True)
                 if dtype == torch.bfloat16 and device.type == "cpu":
                     runs = [with_few_rows(n, runs[0]) for n in (0, M.FEW_ROWS)]
-                    (t_plain, t_forms), (out_plain, out_forms) = race(runs, device, args.repeats)
+                    timing = race(runs, device, args.repeats)
+                    (t_plain, t_forms), (out_plain, out_forms) = timing.best, timing.results
                     same = [r.completion_ids for r in out_plain] == [r.completion_ids for r in out_forms]
                     forms.append((dtype_name, f"decode, batch {B}", f"{t_plain:.2f}", f"{t_forms:.2f}",
-                                  f"{t_plain / t_forms:.2f}x", "yes" if same else "no"))
+                                  *timing.ratio_cells(0, 1), "yes" if same else "no"))
                     print(*forms[-1], flush=True)
         if args.train != "0":
             batch, length = map(int, args.train.split("x"))
             ids = random_ids(args.config, (batch, length), seed=1).to(device)
             steps = [lora_forward_backward(m, ids, args.rank) for m in models]
             losses = [step() for step in steps]  # warm-up
-            (t_row, t_col), _ = race(steps, device, args.repeats)
+            timing = race(steps, device, args.repeats)
+            t_row, t_col = timing.best
             rows.append((dtype_name, f"LoRA forward+backward, {args.train}", f"{t_row:.2f}", f"{t_col:.2f}",
-                         f"{t_row / t_col:.2f}x", "yes" if abs(losses[0] - losses[1]) < 1e-4 else "no"))
+                         *timing.ratio_cells(0, 1), "yes" if abs(losses[0] - losses[1]) < 1e-4 else "no"))
             print(*rows[-1], flush=True)
         del models
     print()
-    print(markdown(["dtype", "work", "row-major s", "column-major s", "ratio", "same result"], rows))
+    print(markdown(["dtype", "work", "row-major s", "column-major s", "ratio", "ratio's range", "same result"],
+                   rows))
     if forms:
         print()
-        print(markdown(["dtype", "work", "F.linear s", "model.linear s", "ratio", "same result"], forms))
+        print(markdown(["dtype", "work", "F.linear s", "model.linear s", "ratio", "ratio's range", "same result"],
+                       forms))
 
 
 if __name__ == "__main__":

@@ -3,7 +3,9 @@ Decode speed of sample.generate against transformers' generate: same random weig
 the exact Qwen3-0.6B shape (shared in memory, not copied), greedy, 64 new tokens, batch 1
 and 8, fp32 and bf16, on whatever device is present. On CUDA, ours is timed with its
 captured decode step (decode="graph", the default there) and without it ("dropping").
-Prints a table with the ratio (ours / transformers tokens per second; higher is better).
+Prints a table of tokens per second (each side's fastest round) and the ratio, ours over
+transformers (higher is better): the median of the rounds' ratios, each taken between
+two runs made back to back, with its range over the rounds.
 
     python bench/sample.py                 # all four settings
     python bench/sample.py --dtypes bf16 --batches 8 --new-tokens 32
@@ -23,7 +25,7 @@ def main():
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=32)
-    p.add_argument("--repeats", type=int, default=3, help="timed rounds, implementations taking turns; the best counts")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds, implementations taking turns")
     args = p.parse_args()
     device = setup(args)
     modes = decode_modes(device)
@@ -44,7 +46,8 @@ def main():
             with torch.no_grad():
                 for fn in fns:
                     fn()  # warm-up
-                times, results = race(fns, device, args.repeats)
+                timing = race(fns, device, args.repeats)
+            times, results = timing.best, timing.results
             full = 1 + len(modes)  # transformers, then ours in each decode mode
             (t_ref, *t_ours), (out_ref, *out_ours) = times[:full], results[:full]
             step_ms = [1e3 * (t - t1) / max(n - 1, 1) for t, t1 in zip(times[:full], times[full:2 * full])]
@@ -52,14 +55,15 @@ def main():
             for mode, ms in zip(modes, step_ms[1:]):
                 steps.append((dtype_name, B, mode, f"{ms:.2f}", f"{step_ms[0]:.2f}", f"{t_products:.2f}",
                               f"{t_products / ms:.0%}", f"{step_ms[0] / t_products:.2f}x"))
-            for mode, t, out in zip(modes, t_ours, out_ours):
+            for i, (mode, t, out) in enumerate(zip(modes, t_ours, out_ours), start=1):
                 same = [r.completion_ids for r in out] == out_ref[:, args.prompt_tokens:].tolist()
-                rows.append((dtype_name, B, mode, f"{B * n / t:.1f}", f"{B * n / t_ref:.1f}", f"{t_ref / t:.2f}x",
+                rows.append((dtype_name, B, mode, f"{B * n / t:.1f}", f"{B * n / t_ref:.1f}", *timing.ratio_cells(0, i),
                              "yes" if same else "no"))
                 print(*rows[-1], flush=True)
         del ours, ref
     print()
-    print(markdown(["dtype", "batch", "ours: decode", "ours tok/s", "transformers tok/s", "ratio", "same tokens"], rows))
+    print(markdown(["dtype", "batch", "ours: decode", "ours tok/s", "transformers tok/s", "ratio", "ratio's range",
+                    "same tokens"], rows))
     print()
     print(markdown(["dtype", "batch", "ours: decode", "ours ms/step", "transformers ms/step", "products alone ms",
                     "products' share of ours", "ceiling: transformers / products"], steps))

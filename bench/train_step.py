@@ -9,10 +9,11 @@ peft's get_peft_model on Qwen3ForCausalLM with labels, transformers' own loss.
 
 All three run in one process on the same base weights (both of ours on one copy laid out
 as model.load() lays it out, column-major on the CPU in fp32; peft on transformers' own
-tensors) and take turns step by step, so a slow spell of the machine hits each of them;
-the fastest step of each counts. Peak memory is the most held at once during a step
-beyond what was held before it: on CUDA the allocator's count, on the CPU the profiler's
-record of every allocation and free. The first-step losses must agree (the LoRA B
+tensors) and take turns step by step, so a slow spell of the machine hits each of them.
+The table gives each one's fastest step and the speed ratio, peft over ours: the median
+over rounds of the ratio of the two's steps in the same round, with its range. Peak
+memory is the most held at once during a step beyond what was held before it: on CUDA
+the allocator's count, on the CPU the profiler's record of every allocation and free. The first-step losses must agree (the LoRA B
 matrices start at zero, so all see the base model).
 
 A second table says where a step's time goes: the step's matrix products with the
@@ -71,7 +72,7 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3, help="timed steps of each after one warm-up step; the fastest counts")
+    p.add_argument("--steps", type=int, default=5, help="timed steps of each after one warm-up step, taken in turns")
     args = p.parse_args()
     device = setup(args)
     rows, anatomy = [], []
@@ -85,19 +86,21 @@ def main():
         first_losses = [step() for step in steps]  # warm-up; creates the optimizer states, which all then hold
         products = products_alone(base, args.batch * args.length, backward=True)
         products()  # warm-up
-        seconds, _ = race(steps + [products], device, args.steps)
+        timing = race(steps + [products], device, args.steps)
+        seconds = timing.best
         anatomy.append((dtype_name, f"{args.batch}x{args.length}", *(f"{seconds[i]:.4g}" for i in (0, 2, 3)),
                         f"{seconds[3] / seconds[0]:.0%}", f"{seconds[3] / seconds[2]:.0%}",
                         f"{seconds[2] / seconds[3]:.2f}x"))
         peaks = [step_peak_memory(step, device) for step in steps]
         for i, recompute in enumerate(("no", "yes")):
             rows.append((dtype_name, f"{args.batch}x{args.length}", recompute, f"{seconds[i]:.3f}", f"{seconds[2]:.3f}",
-                         f"{seconds[2] / seconds[i]:.2f}x", f"{peaks[i] / 2**20:.0f}", f"{peaks[2] / 2**20:.0f}",
+                         *timing.ratio_cells(2, i), f"{peaks[i] / 2**20:.0f}", f"{peaks[2] / 2**20:.0f}",
                          f"{peaks[i] / peaks[2]:.2f}x", f"{first_losses[i]:.4f} / {first_losses[2]:.4f}"))
             print(" ".join(rows[-1]), flush=True)
         del steps, products, base, ref
     print()
-    print(markdown(["dtype", "batch", "recompute", "ours s/step", "peft s/step", "speed ratio", "ours peak MiB",
+    print(markdown(["dtype", "batch", "recompute", "ours s/step", "peft s/step", "speed ratio", "speed ratio's range",
+                    "ours peak MiB",
                     "peft peak MiB", "memory ratio", "first loss ours / peft"], rows))
     print()
     print(markdown(["dtype", "batch", "ours s/step", "peft s/step", "products alone s", "products' share of ours",
