@@ -141,14 +141,15 @@ class Race:
 
 def race(fns, device, repeats=3):
     """Time each function in each of `repeats` rounds, the functions taking turns within a
-    round so that a slow spell of a shared machine hits all of them. Call each once
-    beforehand to warm up. Returns a Race."""
+    round so that a slow spell of a shared machine hits all of them, in the given order in
+    even rounds and in reverse in odd ones, so that no function always runs in the wake of
+    the same one (its leftover memory, its cache contents). Call each once beforehand to
+    warm up. Returns a Race."""
     rounds, results = [], [None] * len(fns)
-    for _ in range(repeats):
-        times = []
-        for i, fn in enumerate(fns):
-            seconds, results[i] = timed(fn, device)
-            times.append(seconds)
+    for r in range(repeats):
+        times = [None] * len(fns)
+        for i in (range(len(fns)) if r % 2 == 0 else reversed(range(len(fns)))):
+            times[i], results[i] = timed(fns[i], device)
         rounds.append(times)
     return Race(rounds, results)
 

@@ -122,3 +122,24 @@ def test_race_ratio_pairs_the_rounds():
     assert timing.ratio(0, 1) == (2.0, 2.0, 2.0)
     assert Race([[4.0, 1.0], [1.0, 0.5], [3.0, 1.0], [8.0, 1.0]], [None, None]).ratio(0, 1) == (3.5, 2.0, 8.0)
     assert Race([[4.0, 1.0], [1.0, 0.5], [3.0, 1.0]], [None, None]).ratio_cells(1, 0) == ("0.33x", "0.25x to 0.50x")
+
+
+def test_race_alternates_the_order_and_keeps_each_functions_own_times():
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import time
+    from common import race
+    import torch
+    calls = []
+
+    def sleeper(name, seconds):
+        def fn():
+            calls.append(name)
+            time.sleep(seconds)
+            return name
+        return fn
+
+    timing = race([sleeper("a", 0.0), sleeper("b", 0.05), sleeper("c", 0.2)], torch.device("cpu"), repeats=3)
+    assert calls == list("abccbaabc")
+    assert timing.results == list("abc") and len(timing.rounds) == 3
+    for a, b, c in timing.rounds:  # each time in its own function's column, whatever the order it ran in
+        assert a < 0.05 <= b < 0.2 <= c, timing.rounds
