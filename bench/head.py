@@ -10,8 +10,9 @@ at a time, no tensor of vocabulary width). The reference builds the [states, voc
 and their log-softmax, as transformers' loss and a plain PyTorch KL do, with autograd for
 the gradient. The two take turns for --repeats rounds: seconds are each one's fastest
 round, the speed ratio the median over rounds of the ratio within a round (with its
-range); peak memory by bench/common.step_peak_memory; the differences are the largest between the two in the values and,
-relative to the largest gradient entry, in the gradients.
+range); peak memory by bench/common.step_peak_memory; the differences are the largest
+between the two in the values and, relative to the largest gradient entry, in the
+gradients.
 
     python bench/head.py
     python bench/head.py --states 2048 --dtypes bf16
@@ -92,9 +93,9 @@ def main():
                 print(" ".join(map(str, rows[-1])), flush=True)
         del model, weight, student, teacher
     print()
-    print(markdown(["dtype", "work", "gradient", "states", "ours s", "full logits s", "speed ratio", "speed ratio's range",
-                    "ours peak MiB",
-                    "full peak MiB", "memory ratio", "max value difference", "max gradient difference"], rows))
+    print(markdown(["dtype", "work", "gradient", "states", "ours s", "full logits s", "speed ratio",
+                    "speed ratio's range", "ours peak MiB", "full peak MiB", "memory ratio", "max value difference",
+                    "max gradient difference"], rows))
 
 
 if __name__ == "__main__":

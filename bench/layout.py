@@ -78,8 +78,8 @@ def main():
                 timing = race(runs, device, args.repeats)
                 (t_row, t_col), (out_row, out_col) = timing.best, timing.results
                 same = [r.completion_ids for r in out_row] == [r.completion_ids for r in out_col]
-                rows.append((dtype_name, f"decode, batch {B}", f"{t_row:.2f}", f"{t_col:.2f}", *timing.ratio_cells(0, 1),
-                             "yes" if same else "no"))
+                rows.append((dtype_name, f"decode, batch {B}", f"{t_row:.2f}", f"{t_col:.2f}",
+                             *timing.ratio_cells(0, 1), "yes" if same else "no"))
                 print(*rows[-1], flush=True)
                 if dtype == torch.bfloat16 and device.type == "cpu":
                     runs = [with_few_rows(n, runs[0]) for n in (0, M.FEW_ROWS)]

@@ -13,8 +13,9 @@ tensors) and take turns step by step, so a slow spell of the machine hits each o
 The table gives each one's fastest step and the speed ratio, peft over ours: the median
 over rounds of the ratio of the two's steps in the same round, with its range. Peak
 memory is the most held at once during a step beyond what was held before it: on CUDA
-the allocator's count, on the CPU the profiler's record of every allocation and free. The first-step losses must agree (the LoRA B
-matrices start at zero, so all see the base model).
+the allocator's count, on the CPU the profiler's record of every allocation and free.
+The first-step losses must agree (the LoRA B matrices start at zero, so all see the base
+model).
 
 A second table says where a step's time goes: the step's matrix products with the
 model's frozen weights run alone (each linear layer's and the output layer's forward
@@ -100,8 +101,7 @@ def main():
         del steps, products, base, ref
     print()
     print(markdown(["dtype", "batch", "recompute", "ours s/step", "peft s/step", "speed ratio", "speed ratio's range",
-                    "ours peak MiB",
-                    "peft peak MiB", "memory ratio", "first loss ours / peft"], rows))
+                    "ours peak MiB", "peft peak MiB", "memory ratio", "first loss ours / peft"], rows))
     print()
     print(markdown(["dtype", "batch", "ours s/step", "peft s/step", "products alone s", "products' share of ours",
                     "products' share of peft", "ceiling: peft / products"], anatomy))
