@@ -14,7 +14,10 @@ straggler does not make every other row pay for its tokens; on CUDA the decode s
 captured once as a CUDA graph at a fixed shape and replayed (FixedShapeDecoder), which
 matters more there than the rows saved. A policy's LoRA adapter is folded into a copy of
 the weights it adapts for the length of a call (lora.folded_adapter), so sampling from
-an adapted policy costs what sampling from the plain model does.
+an adapted policy costs what sampling from the plain model does. In bf16 on the CPU the
+decoder layers' weights are also packed for oneDNN for the length of a call
+(model.packed_weights): four stacked products per layer instead of seven, each streaming
+its weights faster.
 """
 import contextlib
 import os
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lora
-from model import left_pad
+from model import left_pad, packed_weights
 
 
 @dataclass
@@ -148,7 +151,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     runs folded into a copy of the weights it adapts for the length of the call
     (lora.folded_adapter): the same policy up to rounding, a decode step up to a fifth
     faster, for one copy of those weights; False runs the adapter's own products, as the
-    training forward pass does. Returns a list of Rollout, prompt-major.
+    training forward pass does. In bf16 on the CPU the (folded) weights are packed too
+    (model.packed_weights), for one more copy of them while the call runs; set
+    model.PACK_ON_CPU = False to spare that memory. Returns a list of Rollout, prompt-major.
     """
     device = model.lm_head.weight.device
     if decode == "auto":
@@ -159,7 +164,8 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
         raise ValueError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed' or 'graph'")
     if decode == "graph" and device.type != "cuda":
         raise ValueError(f"decode='graph' needs a CUDA device, the model is on {device}; use decode='fixed' or 'auto'")
-    with lora.folded_adapter(model) if fold_adapter else contextlib.nullcontext():
+    # packing (bf16 on the CPU) reads the weights as folded, so it goes inside the fold
+    with lora.folded_adapter(model) if fold_adapter else contextlib.nullcontext(), packed_weights(model):
         return _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
                          progress, decode)
 

@@ -11,8 +11,9 @@ matrix kernels, so on other hardware run this before trusting the choice load() 
 
 In bf16 a second table: greedy decode on the row-major model (bf16's order) with every
 product as F.linear computes it, against model.linear's forms for a few rows (the weight
-first, a matrix-vector product for one row), the two taking turns; above 1 the forms are
-faster.
+first, a matrix-vector product for one row) and against the decoder layers' weights packed
+and stacked (M.packed_weights, what sample.generate uses on the CPU in bf16), the three
+taking turns; a ratio above 1 means that form is faster than F.linear.
 
     python bench/layout.py
     python bench/layout.py --dtypes fp32,bf16 --batches 8
@@ -40,15 +41,19 @@ def lora_forward_backward(model, ids, rank):
     return step
 
 
-def with_few_rows(few_rows, fn):
-    """fn run with model.linear's few-row forms up to `few_rows` rows (0: F.linear always)."""
+def with_forms(few_rows, pack, fn):
+    """fn run with model.linear's few-row forms up to `few_rows` rows (0: F.linear always)
+    and with M.packed_weights on or off."""
     def run():
-        kept, M.FEW_ROWS = M.FEW_ROWS, few_rows
+        kept, M.FEW_ROWS, M.PACK_ON_CPU = (M.FEW_ROWS, M.PACK_ON_CPU), few_rows, pack
         try:
             return fn()
         finally:
-            M.FEW_ROWS = kept
+            M.FEW_ROWS, M.PACK_ON_CPU = kept
     return run
+
+
+FORMS = {"F.linear": (0, False), "model.linear": (M.FEW_ROWS, False), "packed": (M.FEW_ROWS, True)}
 
 
 def main():
@@ -82,13 +87,13 @@ def main():
                              *timing.ratio_cells(0, 1), "yes" if same else "no"))
                 print(*rows[-1], flush=True)
                 if dtype == torch.bfloat16 and device.type == "cpu":
-                    runs = [with_few_rows(n, runs[0]) for n in (0, M.FEW_ROWS)]
+                    runs = [with_forms(*settings, runs[0]) for settings in FORMS.values()]
                     timing = race(runs, device, args.repeats)
-                    (t_plain, t_forms), (out_plain, out_forms) = timing.best, timing.results
-                    same = [r.completion_ids for r in out_plain] == [r.completion_ids for r in out_forms]
-                    forms.append((dtype_name, f"decode, batch {B}", f"{t_plain:.2f}", f"{t_forms:.2f}",
-                                  *timing.ratio_cells(0, 1), "yes" if same else "no"))
-                    print(*forms[-1], flush=True)
+                    tokens = [[r.completion_ids for r in out] for out in timing.results]
+                    for i, form in enumerate(FORMS):
+                        forms.append((dtype_name, f"decode, batch {B}", form, f"{timing.best[i]:.2f}",
+                                      *timing.ratio_cells(0, i), "yes" if tokens[i] == tokens[0] else "no"))
+                        print(*forms[-1], flush=True)
         if args.train != "0":
             batch, length = map(int, args.train.split("x"))
             ids = random_ids(args.config, (batch, length), seed=1).to(device)
@@ -105,8 +110,8 @@ def main():
                    rows))
     if forms:
         print()
-        print(markdown(["dtype", "work", "F.linear s", "model.linear s", "ratio", "ratio's range", "same result"],
-                       forms))
+        print(markdown(["dtype", "work", "products", "s", "F.linear s / this", "ratio's range",
+                        "same tokens as F.linear"], forms))
 
 
 if __name__ == "__main__":

@@ -71,9 +71,12 @@ def test_layout_bench_computes_the_same_in_both_orders(tiny_model):
 def test_layout_bench_times_the_few_row_forms_in_bf16(tiny_model):
     rows = bench("layout.py", "--config", tiny_model, "--batches", "1,3", "--new-tokens", "6", "--train", "0",
                  "--repeats", "1", dtype="bf16")
-    layouts, forms = rows[:2], rows[2:]  # row-major against column-major, then F.linear against model.linear
-    assert [r[1] for r in layouts] == [r[1] for r in forms] == ["decode, batch 1", "decode, batch 3"], rows
+    layouts, forms = rows[:2], rows[2:]  # row-major against column-major, then the three forms of the products
+    assert [r[1] for r in layouts] == ["decode, batch 1", "decode, batch 3"], rows
+    assert [(r[1], r[2]) for r in forms] == [(f"decode, batch {b}", form) for b in (1, 3)
+                                             for form in ("F.linear", "model.linear", "packed")], rows
     assert all(float(r[4].rstrip("x")) > 0 for r in rows), rows
+    assert all(r[4] == "1.00x" and r[-1] == "yes" for r in forms if r[2] == "F.linear"), rows  # each against itself
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])

@@ -374,3 +374,103 @@ def test_rms_norm_backward_in_closed_form_matches_autograd_and_keeps_the_input_a
         assert ours.dtype == dtype
         error, autograd_error = (ours.double() - exact).abs().max(), (autograd.double() - exact).abs().max()
         assert error <= 1.5 * autograd_error + 1e-6 * exact.abs().max(), (error, autograd_error)
+
+
+def bf16_model(name, **overrides):
+    args = dict(TINY_CONFIGS[name], vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
+                max_position_embeddings=512, eos_token_id=0)
+    args.update(overrides)
+    model = M.init_weights(M.Qwen3(M.Qwen3Config(**args)), std=0.1, seed=7).eval()
+    return M.lay_out_weights(model.to(torch.bfloat16))
+
+
+def count_packed_products(monkeypatch):
+    calls = []
+    product = M.PackedWeights.__call__
+    monkeypatch.setattr(M.PackedWeights, "__call__", lambda self, x: calls.append(len(self.sizes)) or product(self, x))
+    return calls
+
+
+@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
+def test_packed_products_compute_each_layers_own_product():
+    g = torch.Generator().manual_seed(0)
+    layers = [torch.nn.Linear(40, n, bias=True).bfloat16() for n in (48, 16, 16)]
+    with torch.no_grad():
+        for layer in layers:
+            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
+            layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
+    layers[1].bias = None  # a layer without bias among layers with one
+    packed = M.PackedWeights(*layers)
+    for rows in (1, 8, 100):
+        x = torch.randn(2, rows, 40, generator=g).bfloat16()
+        outputs = packed(x)
+        assert len(outputs) == 3
+        for y, layer in zip(outputs, layers):
+            bias = None if layer.bias is None else layer.bias.double()
+            exact = torch.nn.functional.linear(x.double(), layer.weight.double(), bias)
+            assert y.shape == exact.shape and y.dtype == torch.bfloat16
+            assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+
+
+@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.parametrize("name,bias", [("tied", False), ("untied", False), ("tied", True)])
+def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(monkeypatch, name, bias):
+    model = bf16_model(name, attention_bias=bias)
+    ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(1))
+    calls = count_packed_products(monkeypatch)
+    with torch.no_grad():
+        plain = model(ids).float()
+        with M.packed_weights(model):
+            packed = model(ids).float()
+        after = model(ids).float()
+    layers = model.config.num_hidden_layers
+    assert sorted(calls) == sorted([3, 1, 2, 1] * layers)  # qkv, o, gate-up, down in each layer; no more
+    assert torch.equal(after, plain)
+    assert all(layer.self_attn.packed == {} and layer.mlp.packed == {} for layer in model.model.layers)
+    # the same sums in another order: bf16 rounding apart, through every layer
+    assert (packed - plain).abs().max() <= 0.03 * plain.abs().max()
+    assert (packed.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+
+
+@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
+def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(monkeypatch):
+    import lora
+    model = bf16_model("tied")
+    ids = torch.randint(1, 300, (2, 7), generator=torch.Generator().manual_seed(2))
+    calls = count_packed_products(monkeypatch)
+    with M.packed_weights(model):
+        # a gradient pass never takes the packed products (they have no backward)
+        embeddings = model.model.embed_tokens.weight.requires_grad_(True)
+        model(ids).float().sum().backward()
+        assert calls == [] and embeddings.grad is not None
+        embeddings.requires_grad_(False)
+        with torch.no_grad():
+            stale = model(ids).float()
+            # a weight changed in place after packing: the layer runs from the weight as it is now
+            q = model.model.layers[0].self_attn.q_proj.weight
+            q.mul_(-1)
+            calls.clear()
+            changed = model(ids).float()
+            assert len(calls) == 4 * 2 - 1  # layer 0's q, k and v one by one
+    with torch.no_grad():
+        fresh = model(ids).float()
+        q.mul_(-1)
+    scale = fresh.abs().max()
+    assert (changed - fresh).abs().max() <= 0.03 * scale < (stale - fresh).abs().max()
+    # an adapter wrapped in after packing, and one active but not folded: both run as adapters
+    lora.add_lora(model, rank=4, alpha=8)
+    for layer in lora.lora_layers(model).values():
+        torch.nn.init.normal_(layer.lora_B["default"], std=0.5)
+    with torch.no_grad():
+        adapted = model(ids)
+        with M.packed_weights(model):
+            calls.clear()
+            assert torch.equal(model(ids), adapted) and calls == []
+    plain = bf16_model("tied")
+    with torch.no_grad(), M.packed_weights(plain):
+        lora.add_lora(plain, rank=4, alpha=8)
+        for mine, theirs in zip(lora.lora_layers(plain).values(), lora.lora_layers(model).values()):
+            mine.lora_A["default"].data.copy_(theirs.lora_A["default"])
+            mine.lora_B["default"].data.copy_(theirs.lora_B["default"])
+        calls.clear()
+        assert torch.equal(plain(ids), adapted) and calls == []
