@@ -430,6 +430,11 @@ def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(
     # the same sums in another order: bf16 rounding apart, through every layer
     assert (packed - plain).abs().max() <= 0.03 * plain.abs().max()
     assert (packed.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.9
+    # switched off, nothing is packed and the pass is the plain one to the bit
+    monkeypatch.setattr(M, "PACK_ON_CPU", False)
+    calls.clear()
+    with torch.no_grad(), M.packed_weights(model):
+        assert torch.equal(model(ids).float(), plain) and calls == []
 
 
 @pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
