@@ -12,6 +12,7 @@ skip tensors of vocabulary width: RMSNormFunction, SwiGLU, HeadLogprob and HeadK
 forward passes compute what the plain operations compute; tests hold their gradients to
 autograd's, and the whole LoRA training pass to transformers + peft (tests/test_lora.py).
 """
+import functools
 import json
 import os
 from dataclasses import dataclass, fields
@@ -111,7 +112,21 @@ PACK_ON_CPU = True  # False: packed_weights does nothing, saving its copy of the
 def can_pack(weight):
     """Whether packed_weights() applies: bf16 on a CPU whose PyTorch has oneDNN's linear."""
     return (PACK_ON_CPU and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+            and onednn_linear_works())
+
+
+@functools.cache
+def onednn_linear_works():
+    """The two oneDNN operators packing relies on are internal to PyTorch (torch.compile
+    uses them for frozen weights), so a build may lack them or call them otherwise: tried
+    once on a 2 x 4 product, and packing is skipped, not failed, where they do not give it."""
+    try:
+        w = torch.arange(8, dtype=torch.bfloat16).view(2, 4)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4, dtype=torch.bfloat16),
+                                               torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
+        return torch.backends.mkldnn.is_available() and torch.equal(y, torch.tensor([[6.0, 22.0]], dtype=torch.bfloat16))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 class PackedWeights:

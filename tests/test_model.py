@@ -479,3 +479,20 @@ def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(mo
             mine.lora_B["default"].data.copy_(theirs.lora_B["default"])
         calls.clear()
         assert torch.equal(plain(ids), adapted) and calls == []
+
+
+def test_packing_is_skipped_where_onednns_linear_is_missing_or_wrong(monkeypatch):
+    assert M.onednn_linear_works() == M.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+    model = bf16_model("tied")
+    ids = torch.randint(1, 300, (2, 5), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = model(ids)
+    for broken in (lambda *args: torch.zeros(1, 2, dtype=torch.bfloat16),  # answers, wrongly
+                   lambda *args: (_ for _ in ()).throw(RuntimeError("no such kernel"))):
+        monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", broken)
+        M.onednn_linear_works.cache_clear()
+        assert not M.onednn_linear_works() and not M.can_pack(model.lm_head.weight)
+        with torch.no_grad(), M.packed_weights(model):
+            assert torch.equal(model(ids), plain)
+        monkeypatch.undo()
+    M.onednn_linear_works.cache_clear()
