@@ -183,10 +183,11 @@ class packed_weights:
     layout from memory faster than a plain (out, in) matrix and returns rows directly (no
     transposing copy, see linear()), and stacking makes fewer, taller products, each with
     less fixed cost: over Qwen3-0.6B's 28 layers at 8 rows the products take 46 ms against
-    70 ms in F.linear's form (README, Speed; bench/layout.py times whole decodes). Costs one copy of the layers' weights while inside, made on entry (about half a
-    second for Qwen3-0.6B) and dropped on exit; the output layer stays as it is. Weights
-    changed or swapped inside are noticed (PackedWeights.matches) and run unpacked. Does
-    nothing off the CPU, in other dtypes, or without oneDNN."""
+    70 ms in F.linear's form (README, Speed; bench/layout.py times whole decodes). Costs
+    one copy of the layers' weights while inside, made on entry (about half a second for
+    Qwen3-0.6B) and dropped on exit; the output layer stays as it is. Weights changed or
+    swapped inside are noticed (PackedWeights.matches) and run unpacked. Does nothing off
+    the CPU, in other dtypes, or without oneDNN."""
 
     def __init__(self, model):
         self.model, self.previous = model, []
@@ -194,16 +195,15 @@ class packed_weights:
     def __enter__(self):
         if can_pack(self.model.lm_head.weight):
             for layer in self.model.model.layers:
-                a, m = layer.self_attn, layer.mlp
-                self.previous.append((a, a.packed, m, m.packed))
                 for module, named in packing_groups(layer).items():
+                    self.previous.append((module, module.packed))
                     module.packed = {name: PackedWeights(*layers) for name, layers in named.items()
                                      if all(map(runs_alone, layers))}
         return self.model
 
     def __exit__(self, *exc):
-        for a, a_packed, m, m_packed in self.previous:
-            a.packed, m.packed = a_packed, m_packed
+        for module, packed in self.previous:
+            module.packed = packed
         self.previous = []
 
 

@@ -77,5 +77,16 @@ def tiny_model(tiny_models):
 
 
 @pytest.fixture
+def packed_products(monkeypatch):
+    """A list that gets one entry per packed product run (model.PackedWeights) during the
+    test: how many layers' weights it stacks."""
+    import model
+    sizes = []
+    product = model.PackedWeights.__call__
+    monkeypatch.setattr(model.PackedWeights, "__call__", lambda self, x: sizes.append(len(self.sizes)) or product(self, x))
+    return sizes
+
+
+@pytest.fixture
 def seeded():
     torch.manual_seed(0)

@@ -384,13 +384,6 @@ def bf16_model(name, **overrides):
     return M.lay_out_weights(model.to(torch.bfloat16))
 
 
-def count_packed_products(monkeypatch):
-    calls = []
-    product = M.PackedWeights.__call__
-    monkeypatch.setattr(M.PackedWeights, "__call__", lambda self, x: calls.append(len(self.sizes)) or product(self, x))
-    return calls
-
-
 @pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
 def test_packed_products_compute_each_layers_own_product():
     g = torch.Generator().manual_seed(0)
@@ -414,10 +407,11 @@ def test_packed_products_compute_each_layers_own_product():
 
 @pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
 @pytest.mark.parametrize("name,bias", [("tied", False), ("untied", False), ("tied", True)])
-def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(monkeypatch, name, bias):
+def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(monkeypatch, packed_products, name,
+                                                                                bias):
     model = bf16_model(name, attention_bias=bias)
     ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(1))
-    calls = count_packed_products(monkeypatch)
+    calls = packed_products
     with torch.no_grad():
         plain = model(ids).float()
         with M.packed_weights(model):
@@ -438,11 +432,11 @@ def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(
 
 
 @pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
-def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(monkeypatch):
+def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(packed_products):
     import lora
     model = bf16_model("tied")
     ids = torch.randint(1, 300, (2, 7), generator=torch.Generator().manual_seed(2))
-    calls = count_packed_products(monkeypatch)
+    calls = packed_products
     with M.packed_weights(model):
         # a gradient pass never takes the packed products (they have no backward)
         embeddings = model.model.embed_tokens.weight.requires_grad_(True)

@@ -13,6 +13,14 @@ def loaded(tiny_model):
     return M.load(tiny_model)
 
 
+def scored(model, rollout):
+    """The fp32 log-probs a plain forward pass over prompt + completion gives the rollout's tokens."""
+    ids = torch.tensor([rollout.prompt_ids + rollout.completion_ids])
+    with torch.no_grad():
+        logp = model(ids[:, :-1])[0].float().log_softmax(-1)
+    return logp[len(rollout.prompt_ids) - 1:].gather(-1, torch.tensor(rollout.completion_ids)[:, None]).squeeze(-1)
+
+
 def test_greedy_equals_transformers_generate(tiny_model, loaded):
     from transformers import Qwen3ForCausalLM
     ours, tok = loaded
@@ -33,11 +41,7 @@ def test_greedy_equals_transformers_generate(tiny_model, loaded):
 def test_logprobs_equal_full_forward(loaded):
     ours, tok = loaded
     for r in generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, temperature=1.0, seed=3):
-        ids = torch.tensor([r.prompt_ids + r.completion_ids])
-        with torch.no_grad():
-            logp = ours(ids[:, :-1])[0].log_softmax(-1)
-        expected = logp[len(r.prompt_ids) - 1:].gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1)
-        assert torch.allclose(torch.tensor(r.logprobs), expected, atol=1e-4)
+        assert torch.allclose(torch.tensor(r.logprobs), scored(ours, r), atol=1e-4)
 
 
 def test_folded_adapter_samples_what_the_adapter_samples(tiny_model):
@@ -61,7 +65,8 @@ def test_folded_adapter_samples_what_the_adapter_samples(tiny_model):
 
 
 @pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
-def test_bf16_sampling_on_the_cpu_packs_the_folded_weights_and_scores_what_the_adapter_scores(tiny_model, monkeypatch):
+def test_bf16_sampling_on_the_cpu_packs_the_folded_weights_and_scores_what_the_adapter_scores(tiny_model,
+                                                                                               packed_products):
     import lora
     ours, tok = M.load(tiny_model, dtype="bf16")
     lora.add_lora(ours, rank=4, alpha=8)
@@ -69,26 +74,18 @@ def test_bf16_sampling_on_the_cpu_packs_the_folded_weights_and_scores_what_the_a
     with torch.no_grad():
         for p in lora.lora_parameters(ours):
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    calls = []
-    product = M.PackedWeights.__call__
-    monkeypatch.setattr(M.PackedWeights, "__call__", lambda self, x: calls.append(1) or product(self, x))
+    calls = packed_products
     for decode in ("dropping", "fixed"):
         calls.clear()
         rollouts = generate(ours, tok, PROMPTS, n=2, max_new_tokens=8, seed=3, decode=decode)
         # prefill and every decode step: four packed products per layer, over the folded weights
         assert len(calls) >= 4 * ours.config.num_hidden_layers * 8, decode
         calls.clear()
-        unpacked = []
-        for r in rollouts:
-            ids = torch.tensor([r.prompt_ids + r.completion_ids])
-            with torch.no_grad():  # the adapter's own products, nothing folded or packed
-                logp = ours(ids[:, :-1])[0].float().log_softmax(-1)
-            unpacked.append(logp[len(r.prompt_ids) - 1:].gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1))
+        unpacked = [scored(ours, r) for r in rollouts]  # the adapter's own products, nothing folded or packed
         assert calls == []
         error = max((torch.tensor(r.logprobs) - u).abs().max() for r, u in zip(rollouts, unpacked))
-        with lora.use_adapter(ours, None), torch.no_grad():  # how far off the base model would be
-            base = [ours(torch.tensor([r.prompt_ids + r.completion_ids[:-1]]))[0].float().log_softmax(-1)[
-                len(r.prompt_ids) - 1:].gather(-1, torch.tensor(r.completion_ids)[:, None]).squeeze(-1) for r in rollouts]
+        with lora.use_adapter(ours, None):  # how far off the base model would be
+            base = [scored(ours, r) for r in rollouts]
         adapter_effect = max((b - u).abs().max() for b, u in zip(base, unpacked))
         # folding rounds W + BA to bf16: 0.09 here with or without packing, 0.02 unfolded
         assert error < 0.15 < 5 * 0.15 < adapter_effect, (decode, error, adapter_effect)
