@@ -77,25 +77,30 @@ class Qwen3Config:
 FEW_ROWS = 16  # up to this many rows, bf16 products on the CPU take the weight-first form
 
 
-def linear(x, weight, bias=None):
-    """F.linear(x, weight, bias), with the product in the order the CPU's bf16 kernels run
-    fastest. For a decode step's few rows oneDNN multiplies the (out, in) weight by the
-    (in, rows) inputs faster than the (rows, in) inputs by the weight's transpose, and a
-    single row fastest as a matrix-vector product: over Qwen3-0.6B's weights about a fifth
-    faster at 1 and 8 rows, a tenth at 2 to 16, no steady difference at 32 to 64, slower
-    at training sizes (bench/layout.py measures it). The same sums in another order, so
-    values agree to bf16 rounding. In fp32 the column-major weights of lay_out_weights
-    already give the plain form this speed. Inside packed_weights (sample.generate) the
-    decoder layers' products take a faster form still; this one serves the output layer
-    and every forward pass outside it."""
+def linear(x, weight, bias=None, dtype=None):
+    """F.linear(x, weight, bias), converted to dtype if given, with the product in the order
+    the CPU's bf16 kernels run fastest. For a decode step's few rows oneDNN multiplies the
+    (out, in) weight by the (in, rows) inputs faster than the (rows, in) inputs by the
+    weight's transpose, and a single row fastest as a matrix-vector product: over
+    Qwen3-0.6B's weights about a fifth faster at 1 and 8 rows, a tenth at 2 to 16, no steady
+    difference at 32 to 64, slower at training sizes (bench/layout.py measures it). The same
+    sums in another order, so values agree to bf16 rounding. In fp32 the column-major
+    weights of lay_out_weights already give the plain form this speed. Inside packed_weights
+    (sample.generate) the decoder layers' products take a faster form still; this one
+    serves the output layer and every forward pass outside it."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < rows <= FEW_ROWS and weight.stride(-1) == 1):
-        return F.linear(x, weight, bias)
+        y = F.linear(x, weight, bias)
+        return y if dtype is None else y.to(dtype)
     x2d = x.reshape(rows, x.shape[-1])
     if rows == 1:  # the bias goes into the product, as in F.linear, so the sum is rounded once
         y = (torch.mv(weight, x2d[0]) if bias is None else torch.addmv(bias, weight, x2d[0]))[None]
+        y = y if dtype is None else y.to(dtype)
     else:
-        y = (weight @ x2d.t() if bias is None else torch.addmm(bias[:, None], weight, x2d.t())).t().contiguous()
+        y = (weight @ x2d.t() if bias is None else torch.addmm(bias[:, None], weight, x2d.t())).t()
+        # one copy both transposes and converts: for the output layer's fp32 logits at 8
+        # rows a quarter of the time of a transposing copy and then a converting one
+        y = y.contiguous() if dtype in (None, y.dtype) else y.to(dtype, memory_format=torch.contiguous_format)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -252,17 +257,24 @@ class RMSNormFunction(torch.autograd.Function):
         return d_x.to(x.dtype), d_weight, None
 
 
-def rotate_half(x):
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def rotary_cos_sin(positions, head_dim, theta, dtype):
-    # positions: (B, T) -> cos, sin: (B, 1, T, head_dim); angles in fp32 for accuracy at long range
+    """cos and sin of the rotary angles, (B, 1, T, head_dim) each for positions (B, T), the
+    sin's first half negated (see rotate). Angles in fp32 for accuracy at long range."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim))
     angles = positions.float()[..., None] * inv_freq  # (B, T, hd/2)
     emb = torch.cat((angles, angles), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    sin[..., :head_dim // 2].neg_()
+    return emb.cos().to(dtype), sin.to(dtype)
+
+
+def rotate(x, cos, signed_sin):
+    """Rotary embedding x cos + rotate_half(x) sin, with rotate_half(x) = (-x2, x1) for
+    x = (x1, x2) its two halves. Rolling x by half a head gives (x2, x1), and the sign goes
+    into sin's first half once per pass (rotary_cos_sin) instead of a negation and a
+    concatenation per head and layer: the same values to the bit (negation is exact), and
+    two operations fewer for q and for k in every layer."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
 class KVCache:
@@ -319,8 +331,7 @@ class Attention(nn.Module):
         q = self.q_norm(q.view(B, T, self.n_head, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
         k = self.k_norm(k.view(B, T, self.n_kv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         # mask None means plain causal attention over exactly these T positions
@@ -339,7 +350,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         gate, up = project(x, self.packed.get("gate_up"), self.gate_proj, self.up_proj)
-        return project(SwiGLU.apply(gate, up), self.packed.get("down"), self.down_proj)[0]
+        # without a gradient the autograd Function would only add its call's cost
+        # (tens of microseconds, each layer of each decode step)
+        hidden = SwiGLU.apply(gate, up) if torch.is_grad_enabled() else F.silu(gate).mul_(up)
+        return project(hidden, self.packed.get("down"), self.down_proj)[0]
 
 
 class SwiGLU(torch.autograd.Function):
@@ -471,7 +485,12 @@ class Qwen3(nn.Module):
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, key_mask, cache)
-        return self.lm_head(self.model.norm(x))[:, -1].float()
+        return self.next_token_logits(self.model.norm(x))
+
+    def next_token_logits(self, hidden):
+        """fp32 logits (B, vocab) from final hidden states (B, T, hidden) at their last
+        position: what a sampler draws from."""
+        return linear(hidden[:, -1:], self.lm_head.weight, self.lm_head.bias, dtype=torch.float32)[:, -1]
 
     def new_cache(self, batch_size, max_len):
         p = self.lm_head.weight

@@ -179,8 +179,7 @@ def _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, 
     B, P = ids.shape
 
     cache = model.new_cache(B, P + max_new_tokens)
-    logits = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1:]
-    logits = model.lm_head(logits)[:, -1].float()  # (B, vocab): only the last position is needed
+    logits = model.next_token_logits(model(ids, attention_mask=mask, cache=cache, hidden_only=True))
     if n > 1:
         cache.select_rows(torch.arange(B, device=device).repeat_interleave(n))
         mask = mask.repeat_interleave(n, dim=0)
@@ -233,7 +232,7 @@ def _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, 
             next_tok, mask = next_tok[index], mask[index]
             cache.select_rows(index)
         mask = torch.cat([mask, mask.new_ones(len(in_batch), 1)], dim=1)
-        logits = model(next_tok[:, None], attention_mask=mask, cache=cache)[:, -1].float()
+        logits = model.next_token_logits(model(next_tok[:, None], attention_mask=mask, cache=cache, hidden_only=True))
 
     rollouts = []
     for r in range(R):

@@ -314,6 +314,8 @@ def test_linear_computes_f_linear_in_every_form(rows):
         assert y.shape == (1, rows, 48) and y.dtype == torch.bfloat16 and y.is_contiguous()
         # each output rounded once to bf16 (8 significant bits) after summing in fp32
         assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+        y32 = M.linear(x, W, bias, dtype=torch.float32)  # the sampler's logits: converted in the same copy
+        assert y32.dtype == torch.float32 and y32.is_contiguous() and torch.equal(y32, y.float())
     xg = x.clone().requires_grad_(True)
     M.linear(xg, W, b).square().sum().backward()
     x_ref = x.double().requires_grad_(True)
@@ -322,6 +324,21 @@ def test_linear_computes_f_linear_in_every_form(rows):
     column_major = W.t().contiguous().t()
     assert torch.equal(M.linear(x, column_major, b), torch.nn.functional.linear(x, column_major, b))
     assert torch.equal(M.linear(x.float(), W.float(), b.float()), torch.nn.functional.linear(x.float(), W.float(), b.float()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_by_roll_equals_transformers_rotate_half_to_the_bit(dtype):
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding, apply_rotary_pos_emb
+    g = torch.Generator().manual_seed(0)
+    positions = torch.tensor([[0, 1, 2, 700], [5, 6, 7, 8]])
+    q, k = torch.randn(2, 4, 4, 16, generator=g).to(dtype), torch.randn(2, 2, 4, 16, generator=g).to(dtype)
+    config = Qwen3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6)
+    cos, sin = Qwen3RotaryEmbedding(config)(q, positions)
+    expected_q, expected_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)
+    our_cos, signed_sin = M.rotary_cos_sin(positions, 16, 1e6, dtype)
+    assert torch.equal(M.rotate(q, our_cos, signed_sin), expected_q)
+    assert torch.equal(M.rotate(k, our_cos, signed_sin), expected_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
