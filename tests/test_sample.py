@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import model as M
-from sample import draw, filter_logits, generate
+from sample import draw, filter_logits, first_max_index, generate
 
 PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
            "Question: Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes.\nAnswer:"]
@@ -162,6 +162,29 @@ def test_draw_equals_softmax_sampling(temperature, top_k, top_p):
     greedy, greedy_logprobs = draw(logits, 0.0)
     assert torch.equal(greedy, logits.argmax(-1))
     assert torch.allclose(greedy_logprobs, logits.log_softmax(-1).amax(-1), atol=1e-5)
+
+
+def test_draw_never_picks_a_token_of_weight_zero_even_at_the_ends_of_the_unit_interval():
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]]).repeat(3, 1)
+    # top_k=2 leaves tokens 2 and 3; u = 0, the middle and the largest u below 1
+    for top_k, allowed in ((2, {2, 3}), (0, {0, 1, 2, 3})):
+        tokens, _ = draw(logits, 1.0, top_k=top_k, uniforms=torch.tensor([0.0, 0.5, 1 - 2 ** -24]))
+        assert set(tokens.tolist()) <= allowed
+    # weights that underflow to zero after the largest logit is subtracted
+    tokens, _ = draw(torch.tensor([[-200.0, 0.0, -200.0, 0.0]]), 1.0, uniforms=torch.tensor([0.0]))
+    assert tokens.tolist() == [1]
+
+
+@pytest.mark.parametrize("vocab", [151_936, 5_000, 2_048, 1_000])
+def test_first_max_index_is_argmax_with_ties_nans_and_a_short_last_block(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randint(-5, 3, (6, vocab), generator=g).float()  # many equal maxima in every row
+    logits[1, -1] = 10.0  # the maximum in the last (short) block
+    logits[2, 0] = 10.0
+    logits[3, vocab // 2] = logits[3, vocab // 3] = float("nan")
+    logits[4] = 1.0  # all equal
+    assert torch.equal(first_max_index(logits), logits.argmax(-1))
+    assert torch.equal(first_max_index(logits[:, :vocab - 7]), logits[:, :vocab - 7].argmax(-1))  # strided rows
 
 
 def test_draw_without_uniforms_follows_the_tempered_distribution():
