@@ -17,7 +17,12 @@ with the base states:
 
 Features: --features lexical (hashed word unigrams and bigrams, L2-normalised, as in the
 paper) or --features hidden (the base model's mean-pooled last hidden state of each
-state, which sees meaning rather than surface words).
+state, which sees meaning rather than surface words). --embed state (the paper's)
+embeds the whole state, prompt included; --embed generated embeds only y_<t, the part
+the model wrote (hidden features still read the prompt, and pool over y_<t only). Every
+model answers the same prompts, so the prompt's words are common to all of them, yet in
+whole-state features they can outweigh the generated words (README, the toy study).
+Results go to <run>/drift.json, or the file named by --save-as.
 
     python drift.py out/mild out/stress --model Qwen/Qwen3-0.6B-Base
 """
@@ -58,15 +63,22 @@ def lexical_features(texts, buckets=4096):
 
 
 @torch.no_grad()
-def hidden_features(model, states, batch_size=16):
-    """Mean-pooled last hidden state of the base model (adapter off) for each state."""
+def hidden_features(model, states, batch_size=16, starts=None):
+    """Mean-pooled last hidden state of the base model (adapter off) for each state, pooled
+    over its positions from starts[i] on (all of them when starts is None)."""
     out = []
     device = model.lm_head.weight.device
+    starts = starts or [0] * len(states)
     with lora.use_adapter(model, None):
         for i in range(0, len(states), batch_size):
-            ids, mask = M.left_pad(states[i:i + batch_size], 0, device)
+            batch = states[i:i + batch_size]
+            ids, mask = M.left_pad(batch, 0, device)
             h = model(ids, attention_mask=mask, hidden_only=True).float()
-            out.append(((h * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)).cpu())
+            # left padding: state j's token k sits at column width - len(state j) + k
+            first = torch.tensor([ids.shape[1] - len(s) + start for s, start in zip(batch, starts[i:i + batch_size])],
+                                 device=device)
+            pool = (torch.arange(ids.shape[1], device=device)[None, :] >= first[:, None]).to(h.dtype)
+            out.append(((h * pool[..., None]).sum(1) / pool.sum(1, keepdim=True)).cpu())
     return torch.cat(out)
 
 
@@ -138,27 +150,37 @@ def jaccard_distance(texts_a, texts_b):
 # states
 
 def rollout_states(rollouts, stride):
-    """Token ids of every prefix state (x, y_<t), t = stride, 2*stride, ... and the end."""
-    states = []
+    """Token ids of every prefix state (x, y_<t), t = stride, 2*stride, ... and the end,
+    and the prompt's length in each."""
+    states, prompt_lengths = [], []
     for r in rollouts:
         cuts = list(range(stride, len(r.completion_ids) + 1, stride))
         if not cuts or cuts[-1] != len(r.completion_ids):
             cuts.append(len(r.completion_ids))
         states += [r.prompt_ids + r.completion_ids[:t] for t in cuts]
-    return states
+        prompt_lengths += [len(r.prompt_ids)] * len(cuts)
+    return states, prompt_lengths
 
 
 def collect(model, tok, prompts, args):
     rollouts = generate(model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         stop=data.GSM8K_STOP, seed=args.seed, progress=True)
-    states = rollout_states(rollouts, args.stride)
-    return dict(states=states, texts=[r.text for r in rollouts])
+    states, prompt_lengths = rollout_states(rollouts, args.stride)
+    return dict(states=states, prompt_lengths=prompt_lengths, texts=[r.text for r in rollouts])
 
 
-def featurize(model, tok, states, kind):
+def featurize(model, tok, rollout_set, kind, embed="state"):
+    """Features (N, d) of a collect() result's states. embed="generated" keeps each state's
+    generated part only, and leaves out states with none (an empty completion)."""
+    states, starts = rollout_set["states"], rollout_set["prompt_lengths"]
+    if embed == "generated":
+        kept = [i for i, (s, start) in enumerate(zip(states, starts)) if len(s) > start]
+        states, starts = [states[i] for i in kept], [starts[i] for i in kept]
+    else:
+        starts = [0] * len(states)
     if kind == "lexical":
-        return lexical_features([tok.decode(s) for s in states])
-    return hidden_features(model, states)
+        return lexical_features([tok.decode(s[start:]) for s, start in zip(states, starts)])
+    return hidden_features(model, states, starts=starts)
 
 
 def add_drift_args(p):
@@ -167,6 +189,8 @@ def add_drift_args(p):
     p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
     p.add_argument("--stride", type=int, default=16, help="take a prefix state every N generated tokens")
     p.add_argument("--features", choices=["lexical", "hidden"], default="lexical", help="state embedding")
+    p.add_argument("--embed", choices=["state", "generated"], default="state",
+                   help="embed the whole state (x, y_<t), or only its generated part y_<t")
     p.add_argument("--permutations", type=int, default=200, help="permutations for the MMD p-value")
     p.add_argument("--projections", type=int, default=64, help="random directions of the sliced Wasserstein distance")
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
@@ -177,8 +201,12 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders to compare with the base model")
     M.add_model_args(p)
     p.add_argument("--out", default="out", help="where the base rollouts are cached (drift_base.json)")
+    p.add_argument("--save-as", default="drift.json",
+                   help="file name of the result in each run folder (e.g. another name for another --embed)")
     add_drift_args(p)
     args = p.parse_args(argv)
+    if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
+        raise SystemExit(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "adapter_config.json")):
             raise SystemExit(f"{run} is not a run folder (no adapter_config.json); name folders written by sft.py, rl.py or opd.py")
@@ -189,27 +217,27 @@ def main(argv=None):
 
     cache_path = os.path.join(args.out, "drift_base.json")
     base = json.load(open(cache_path)) if os.path.isfile(cache_path) else None
-    if base is None or base["settings"] != settings:
+    if base is None or base["settings"] != settings or "prompt_lengths" not in base:
         lora.set_adapter(model, None)
         model.eval()
         base = dict(settings=settings, **collect(model, tok, prompts, args))
         os.makedirs(args.out, exist_ok=True)
         lora.write_json(cache_path, base)
-    X = featurize(model, tok, base["states"], args.features)
+    X = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
 
     for i, run in enumerate(tqdm(args.runs, desc="drift")):
         lora.load_adapter(model, run, name=f"run{i}")
         model.eval()
         ours = collect(model, tok, prompts, args)
-        Y = featurize(model, tok, ours["states"], args.features)
+        Y = featurize(model, tok, ours, args.features, args.embed)
         mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed)
-        result = dict(mmd2=mmd2, p_value=p_value, bandwidth=bandwidth, features=args.features,
+        result = dict(mmd2=mmd2, p_value=p_value, bandwidth=bandwidth, features=args.features, embed=args.embed,
                       centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
                       n_states_base=len(X), n_states_run=len(Y), settings=settings)
-        lora.write_json(os.path.join(run, "drift.json"), result)
+        lora.write_json(os.path.join(run, args.save_as), result)
         print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))
 
 

@@ -59,4 +59,33 @@ def test_lexical_features_are_deterministic_across_processes():
 def test_rollout_states_take_every_stride_and_the_end():
     from sample import Rollout
     r = Rollout([1, 2], [3, 4, 5, 6, 7], [0.0] * 5, "", "length")
-    assert drift.rollout_states([r], 2) == [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]]
+    empty = Rollout([8, 9, 10], [], [], "", "eos")
+    states, prompt_lengths = drift.rollout_states([r, empty], 2)
+    assert states == [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
+    assert prompt_lengths == [2, 2, 2, 3]
+
+
+def test_generated_embedding_reads_only_the_generated_part(tiny_model):
+    """--embed generated: lexical features of y_<t alone, hidden states pooled over y_<t
+    alone (the model still reads the prompt), states with nothing generated left out. The
+    hidden features are checked against each state run on its own, without padding, so a
+    wrong offset into the left-padded batch fails."""
+    import model as M
+    net, tok = M.load(tiny_model, "cpu", "fp32")
+    prompt_a, prompt_b = tok.encode("Question: 3 apples and 4 pears?"), tok.encode("Q: 12?")
+    gen_a, gen_b = tok.encode(" She has 7 fruit."), tok.encode(" 12 it is")
+    rollouts = dict(states=[prompt_a + gen_a, prompt_b + gen_b[:2], prompt_b],
+                    prompt_lengths=[len(prompt_a), len(prompt_b), len(prompt_b)])
+
+    lexical = drift.featurize(net, tok, rollouts, "lexical", "generated")
+    assert torch.equal(lexical, drift.lexical_features([tok.decode(gen_a), tok.decode(gen_b[:2])]))
+    assert not torch.equal(lexical, drift.featurize(net, tok, rollouts, "lexical", "state")[:2])
+
+    hidden = drift.featurize(net, tok, rollouts, "hidden", "generated")
+    with torch.no_grad():
+        alone = [net(torch.tensor([s]), hidden_only=True)[0, n:].mean(0)
+                 for s, n in zip(rollouts["states"][:2], rollouts["prompt_lengths"][:2])]
+    assert hidden.shape == (2, net.config.hidden_size)
+    assert torch.allclose(hidden, torch.stack(alone), atol=1e-5)
+    whole = drift.featurize(net, tok, rollouts, "hidden", "state")
+    assert whole.shape[0] == 3 and not torch.allclose(whole[:2], hidden, atol=1e-3)
