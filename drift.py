@@ -8,9 +8,11 @@ so the models differ only where their distributions differ. Prefix states s_t = 
 are taken every --stride tokens (and at the end of each rollout), embedded, and compared
 with the base states:
 
-  mmd2                unbiased MMD^2, RBF kernel; bandwidth fixed once from the *base* states
+  mmd2                MMD^2, RBF kernel; bandwidth fixed once from the *base* states
                       (median heuristic) so every run is measured with the same ruler;
-                      permutation p-value
+                      unbiased for these paired samples: every mean over pairs of states
+                      from different prompts, the p-value from swapping a prompt's two
+                      sets of states (mmd2_test)
   centroid            distance between the mean feature vectors
   sliced_wasserstein  mean 1-D Wasserstein-1 distance over random projections
   jaccard             mean Jaccard distance between the word sets of paired rollouts
@@ -19,10 +21,9 @@ Features: --features lexical (hashed word unigrams and bigrams, L2-normalised, a
 paper) or --features hidden (the base model's mean-pooled last hidden state of each
 state, which sees meaning rather than surface words). --embed state (the paper's)
 embeds the whole state, prompt included; --embed generated embeds only y_<t, the part
-the model wrote (hidden features still read the prompt, and pool over y_<t only). Every
-model answers the same prompts, so the prompt's words are common to all of them, yet in
-whole-state features they can outweigh the generated words (README, the toy study).
-Results go to <run>/drift.json, or the file named by --save-as.
+the model wrote (hidden features still read the prompt, and pool over y_<t only), since
+the prompts are the same for every model and only dilute the difference. Results go to
+<run>/drift.json, or the file named by --save-as.
 
     python drift.py out/mild out/stress --model Qwen/Qwen3-0.6B-Base
 """
@@ -97,30 +98,54 @@ def median_bandwidth(X, max_points=2000):
     return off[off > 0].median().sqrt().item() if (off > 0).any() else 1.0
 
 
-def mmd2_from_kernel(K, is_x):
-    """Unbiased MMD^2 for each column of labels is_x (N, P): 1 marks the first sample.
-    K is the pooled kernel matrix (N, N) with ones on the diagonal (RBF)."""
-    s = is_x.to(K.dtype)
-    t = 1 - s
-    m, n = s.sum(0), t.sum(0)
-    Ks, Kt = K @ s, K @ t
-    xx = ((s * Ks).sum(0) - m) / (m * (m - 1))  # sum over i != j: drop the diagonal's m ones
-    yy = ((t * Kt).sum(0) - n) / (n * (n - 1))
-    xy = (s * Kt).sum(0) / (m * n)
+def mmd2_from_kernel(K, is_x, apart):
+    """MMD^2 for each column of labels is_x (N, P), 1 marking the first sample, from the
+    pooled kernel matrix K (N, N), each of its three means taken over the pairs of states
+    that apart (N, N) marks. With apart = "not the same state" this is the usual unbiased
+    estimator; with apart = "not from the same prompt", see mmd2_test."""
+    s, t = is_x.to(K.dtype), 1 - is_x.to(K.dtype)
+    A = apart.to(K.dtype)
+    KA = K * A
+    xx = (s * (KA @ s)).sum(0) / (s * (A @ s)).sum(0)
+    yy = (t * (KA @ t)).sum(0) / (t * (A @ t)).sum(0)
+    xy = (s * (KA @ t)).sum(0) / (s * (A @ t)).sum(0)
     return xx + yy - 2 * xy
 
 
-def mmd2_test(X, Y, bandwidth, permutations=200, seed=0):
-    """(unbiased MMD^2 with RBF kernel exp(-|x-y|^2 / (2 bandwidth^2)), permutation p-value)."""
+def mmd2_test(X, Y, bandwidth, permutations=200, seed=0, x_prompts=None, y_prompts=None):
+    """(MMD^2 with RBF kernel exp(-|x-y|^2 / (2 bandwidth^2)), permutation p-value).
+
+    Without prompts: the unbiased estimator over independent samples, and a p-value from
+    random relabellings. With x_prompts and y_prompts (the prompt index of each state),
+    the two samples are paired: every model answered the same prompts, with the same seed
+    per prompt, and each rollout gives several states. A state of the base and one of a run
+    from the same prompt are then alike whatever the models do, and the usual estimator,
+    which counts those pairs in the cross term, comes out below zero by about their excess
+    similarity over the number of states (and a relabelling that splits pairs makes every
+    permutation look larger than the truth: p = 1). Here every mean is over pairs of
+    states from different prompts, so each pair is independent as the formula needs and
+    the estimate has expectation 0 when the models agree; the permutations swap the
+    labels of one prompt's two sets of states at once, the exchange that equal models
+    allow (a sign-flip test)."""
     Z = torch.cat([X, Y]).double()
     K = torch.exp(-sq_dists(Z, Z) / (2 * bandwidth ** 2))
-    K.fill_diagonal_(1.0)
-    labels = torch.zeros(len(Z), 1 + permutations, dtype=torch.bool)
-    labels[:len(X), 0] = True
     g = torch.Generator().manual_seed(seed)
-    for p in range(1, permutations + 1):
-        labels[torch.randperm(len(Z), generator=g)[:len(X)], p] = True
-    stats = mmd2_from_kernel(K, labels)
+    first = torch.zeros(len(Z), dtype=torch.bool)
+    first[:len(X)] = True
+    labels = torch.empty(len(Z), 1 + permutations, dtype=torch.bool)
+    labels[:, 0] = first
+    if x_prompts is None:
+        apart = ~torch.eye(len(Z), dtype=torch.bool)
+        for p in range(1, permutations + 1):
+            labels[:, p] = False
+            labels[torch.randperm(len(Z), generator=g)[:len(X)], p] = True
+    else:
+        prompts = torch.cat([torch.as_tensor(x_prompts), torch.as_tensor(y_prompts)])
+        apart = prompts[:, None] != prompts[None, :]
+        _, prompts = prompts.unique(return_inverse=True)
+        flips = torch.rand(int(prompts.max()) + 1, permutations, generator=g) < 0.5
+        labels[:, 1:] = first[:, None] ^ flips[prompts]
+    stats = mmd2_from_kernel(K, labels, apart)
     p_value = (1 + (stats[1:] >= stats[0]).sum().item()) / (1 + permutations)
     return stats[0].item(), p_value
 
@@ -150,37 +175,37 @@ def jaccard_distance(texts_a, texts_b):
 # states
 
 def rollout_states(rollouts, stride):
-    """Token ids of every prefix state (x, y_<t), t = stride, 2*stride, ... and the end,
-    and the prompt's length in each."""
-    states, prompt_lengths = [], []
+    """Token ids of every prefix state (x, y_<t), t = stride, 2*stride, ... and the end;
+    the prompt's length in each, and its prompt's index."""
+    states, prompt_lengths, prompts = [], [], []
     for r in rollouts:
         cuts = list(range(stride, len(r.completion_ids) + 1, stride))
         if not cuts or cuts[-1] != len(r.completion_ids):
             cuts.append(len(r.completion_ids))
         states += [r.prompt_ids + r.completion_ids[:t] for t in cuts]
         prompt_lengths += [len(r.prompt_ids)] * len(cuts)
-    return states, prompt_lengths
+        prompts += [r.prompt_index] * len(cuts)
+    return states, prompt_lengths, prompts
 
 
 def collect(model, tok, prompts, args):
     rollouts = generate(model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                         stop=data.GSM8K_STOP, seed=args.seed, progress=True)
-    states, prompt_lengths = rollout_states(rollouts, args.stride)
-    return dict(states=states, prompt_lengths=prompt_lengths, texts=[r.text for r in rollouts])
+    states, prompt_lengths, prompts = rollout_states(rollouts, args.stride)
+    return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts, texts=[r.text for r in rollouts])
 
 
 def featurize(model, tok, rollout_set, kind, embed="state"):
-    """Features (N, d) of a collect() result's states. embed="generated" keeps each state's
-    generated part only, and leaves out states with none (an empty completion)."""
-    states, starts = rollout_set["states"], rollout_set["prompt_lengths"]
-    if embed == "generated":
-        kept = [i for i, (s, start) in enumerate(zip(states, starts)) if len(s) > start]
-        states, starts = [states[i] for i in kept], [starts[i] for i in kept]
-    else:
-        starts = [0] * len(states)
+    """Features (N, d) of a collect() result's states, and each one's prompt index.
+    embed="generated" keeps each state's generated part only, and leaves out states with
+    none (an empty completion)."""
+    states, starts, prompts = rollout_set["states"], rollout_set["prompt_lengths"], rollout_set["prompts"]
+    kept = [i for i, (s, start) in enumerate(zip(states, starts)) if embed == "state" or len(s) > start]
+    states, prompts = [states[i] for i in kept], [prompts[i] for i in kept]
+    starts = [starts[i] for i in kept] if embed == "generated" else [0] * len(states)
     if kind == "lexical":
-        return lexical_features([tok.decode(s[start:]) for s, start in zip(states, starts)])
-    return hidden_features(model, states, starts=starts)
+        return lexical_features([tok.decode(s[start:]) for s, start in zip(states, starts)]), prompts
+    return hidden_features(model, states, starts=starts), prompts
 
 
 def add_drift_args(p):
@@ -217,21 +242,21 @@ def main(argv=None):
 
     cache_path = os.path.join(args.out, "drift_base.json")
     base = json.load(open(cache_path)) if os.path.isfile(cache_path) else None
-    if base is None or base["settings"] != settings or "prompt_lengths" not in base:
+    if base is None or base["settings"] != settings or "prompts" not in base:
         lora.set_adapter(model, None)
         model.eval()
         base = dict(settings=settings, **collect(model, tok, prompts, args))
         os.makedirs(args.out, exist_ok=True)
         lora.write_json(cache_path, base)
-    X = featurize(model, tok, base, args.features, args.embed)
+    X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
 
     for i, run in enumerate(tqdm(args.runs, desc="drift")):
         lora.load_adapter(model, run, name=f"run{i}")
         model.eval()
         ours = collect(model, tok, prompts, args)
-        Y = featurize(model, tok, ours, args.features, args.embed)
-        mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed)
+        Y, y_prompts = featurize(model, tok, ours, args.features, args.embed)
+        mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts, y_prompts)
         result = dict(mmd2=mmd2, p_value=p_value, bandwidth=bandwidth, features=args.features, embed=args.embed,
                       centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),

@@ -1,4 +1,5 @@
 import math
+import statistics
 import subprocess
 import sys
 
@@ -34,6 +35,55 @@ def test_mmd2_permutation_test_separates_shift_from_noise():
     assert shifted > 0.05 and p_shift < 0.05
 
 
+def prompt_paired_states(seed, prompts=60, per_prompt=4, dim=8):
+    """States as drift.py samples them: each prompt gives several states in both samples,
+    the prompt deciding most of where they lie."""
+    g = torch.Generator().manual_seed(seed)
+    centers = 2 * torch.randn(prompts, dim, generator=g)
+    index = torch.arange(prompts).repeat_interleave(per_prompt)
+    X = centers[index] + 0.5 * torch.randn(len(index), dim, generator=g)
+    Y = centers[index] + 0.5 * torch.randn(len(index), dim, generator=g)
+    return X, Y, index
+
+
+def test_mmd2_with_prompts_leaves_out_same_prompt_pairs():
+    g = torch.Generator().manual_seed(3)
+    X, Y = torch.randn(11, 3, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64) + 0.4
+    px, py = [0, 0, 1, 1, 1, 2, 3, 3, 4, 5, 5], [0, 1, 1, 2, 2, 3, 6, 6]
+    k = lambda a, b: math.exp(-float(((a - b) ** 2).sum()) / (2 * 1.3 ** 2))
+    mean = lambda A, pa, B, pb: statistics.mean(k(a, b) for a, i in zip(A, pa) for b, j in zip(B, pb) if i != j)
+    expected = mean(X, px, X, px) + mean(Y, py, Y, py) - 2 * mean(X, px, Y, py)
+    got, _ = drift.mmd2_test(X, Y, 1.3, permutations=10, x_prompts=px, y_prompts=py)
+    assert abs(got - expected) < 1e-9
+
+
+def test_mmd2_of_prompt_paired_samples_is_unbiased_and_its_test_calibrated():
+    """Two samples from one distribution, paired by prompt as drift.py's are: the plain
+    estimator (every pair but a state with itself) comes out below zero with p = 1 every
+    time, and misses a shift that the paired one finds. The paired estimator averages
+    zero and its p-value is spread over (0, 1]."""
+    plain, paired, p_values = [], [], []
+    for seed in range(20):
+        X, Y, prompts = prompt_paired_states(seed)
+        bw = drift.median_bandwidth(X)
+        plain.append(drift.mmd2_test(X, Y, bw, permutations=50))
+        stat, p = drift.mmd2_test(X, Y, bw, permutations=50, x_prompts=prompts, y_prompts=prompts)
+        paired.append(stat)
+        p_values.append(p)
+    assert all(stat < 0 and p == 1.0 for stat, p in plain)
+    spread = statistics.pstdev(paired)
+    assert abs(statistics.mean(paired)) < spread and spread < -statistics.mean(s for s, _ in plain)
+    assert 4 <= sum(p < 0.5 for p in p_values) <= 16 and p_values.count(1.0) < 5
+
+    X, Y, prompts = prompt_paired_states(100)
+    bw = drift.median_bandwidth(X)
+    shift = torch.zeros(X.shape[1])
+    shift[0] = 0.4
+    assert drift.mmd2_test(X, Y + shift, bw, permutations=200)[1] > 0.05
+    stat, p = drift.mmd2_test(X, Y + shift, bw, permutations=200, x_prompts=prompts, y_prompts=prompts)
+    assert stat > 0 and p < 0.01
+
+
 def test_sliced_wasserstein_is_zero_on_itself_and_grows_with_shift():
     g = torch.Generator().manual_seed(2)
     X = torch.randn(200, 6, generator=g)
@@ -60,9 +110,11 @@ def test_rollout_states_take_every_stride_and_the_end():
     from sample import Rollout
     r = Rollout([1, 2], [3, 4, 5, 6, 7], [0.0] * 5, "", "length")
     empty = Rollout([8, 9, 10], [], [], "", "eos")
-    states, prompt_lengths = drift.rollout_states([r, empty], 2)
+    empty.prompt_index = 1
+    states, prompt_lengths, prompts = drift.rollout_states([r, empty], 2)
     assert states == [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7], [8, 9, 10]]
     assert prompt_lengths == [2, 2, 2, 3]
+    assert prompts == [0, 0, 0, 1]
 
 
 def test_generated_embedding_reads_only_the_generated_part(tiny_model):
@@ -75,17 +127,18 @@ def test_generated_embedding_reads_only_the_generated_part(tiny_model):
     prompt_a, prompt_b = tok.encode("Question: 3 apples and 4 pears?"), tok.encode("Q: 12?")
     gen_a, gen_b = tok.encode(" She has 7 fruit."), tok.encode(" 12 it is")
     rollouts = dict(states=[prompt_a + gen_a, prompt_b + gen_b[:2], prompt_b],
-                    prompt_lengths=[len(prompt_a), len(prompt_b), len(prompt_b)])
+                    prompt_lengths=[len(prompt_a), len(prompt_b), len(prompt_b)], prompts=[0, 1, 1])
 
-    lexical = drift.featurize(net, tok, rollouts, "lexical", "generated")
+    lexical, prompts = drift.featurize(net, tok, rollouts, "lexical", "generated")
     assert torch.equal(lexical, drift.lexical_features([tok.decode(gen_a), tok.decode(gen_b[:2])]))
-    assert not torch.equal(lexical, drift.featurize(net, tok, rollouts, "lexical", "state")[:2])
+    assert prompts == [0, 1]
+    assert not torch.equal(lexical, drift.featurize(net, tok, rollouts, "lexical", "state")[0][:2])
 
-    hidden = drift.featurize(net, tok, rollouts, "hidden", "generated")
+    hidden, _ = drift.featurize(net, tok, rollouts, "hidden", "generated")
     with torch.no_grad():
         alone = [net(torch.tensor([s]), hidden_only=True)[0, n:].mean(0)
                  for s, n in zip(rollouts["states"][:2], rollouts["prompt_lengths"][:2])]
     assert hidden.shape == (2, net.config.hidden_size)
     assert torch.allclose(hidden, torch.stack(alone), atol=1e-5)
-    whole = drift.featurize(net, tok, rollouts, "hidden", "state")
-    assert whole.shape[0] == 3 and not torch.allclose(whole[:2], hidden, atol=1e-3)
+    whole, prompts = drift.featurize(net, tok, rollouts, "hidden", "state")
+    assert whole.shape[0] == 3 and prompts == [0, 1, 1] and not torch.allclose(whole[:2], hidden, atol=1e-3)
