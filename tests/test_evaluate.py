@@ -55,6 +55,13 @@ def test_retention_math_reproduces_table2():
         assert abs(r["retention"] - paper["retention"]) < 5e-4, run
 
 
+def test_table_gives_small_drift_in_significant_digits():
+    """A small model's MMD^2 can be 1e-5: fixed decimals would print every run as 0.00000."""
+    run = lambda mmd2: {"eval": {"gsm8k": {"flexible": 0.5}}, "drift": {"mmd2": mmd2}}
+    table = E.results_markdown({"stress": run(1.5e-5), "stress-seed1": run(2.5e-5)})
+    assert "| stress | 0.500±0.000 / 0.420 |" in table and "| 2e-05±7.071e-06 / 0.01093 |" in table
+
+
 def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
     import lora
     out = tmp_path / "out"
