@@ -230,6 +230,8 @@ def main(argv=None):
                    help="file name of the result in each run folder (e.g. another name for another --embed)")
     add_drift_args(p)
     args = p.parse_args(argv)
+    if args.prompts < 2:
+        raise SystemExit(f"--prompts {args.prompts}: MMD^2 compares states of different prompts, so it needs at least 2")
     if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
         raise SystemExit(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
     for run in args.runs:

@@ -3,6 +3,7 @@ import statistics
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import drift
@@ -142,3 +143,9 @@ def test_generated_embedding_reads_only_the_generated_part(tiny_model):
     assert torch.allclose(hidden, torch.stack(alone), atol=1e-5)
     whole, prompts = drift.featurize(net, tok, rollouts, "hidden", "state")
     assert whole.shape[0] == 3 and prompts == [0, 1, 1] and not torch.allclose(whole[:2], hidden, atol=1e-3)
+
+
+def test_drift_cli_names_bad_arguments():
+    for argv, message in ((["--prompts", "1"], "needs at least 2"), (["--save-as", "out/d.json"], "a file name ending in .json")):
+        with pytest.raises(SystemExit, match=message):
+            drift.main(["out/stress", *argv])
