@@ -98,17 +98,22 @@ def median_bandwidth(X, max_points=2000):
     return off[off > 0].median().sqrt().item() if (off > 0).any() else 1.0
 
 
-def mmd2_from_kernel(K, is_x, apart):
+def mmd2_from_kernel(K, is_x, groups):
     """MMD^2 for each column of labels is_x (N, P), 1 marking the first sample, from the
-    pooled kernel matrix K (N, N), each of its three means taken over the pairs of states
-    that apart (N, N) marks. With apart = "not the same state" this is the usual unbiased
-    estimator; with apart = "not from the same prompt", see mmd2_test."""
+    pooled kernel matrix K (N, N) whose entries between states of one group are zero:
+    each of the three means is over pairs of states from different groups (groups (N,),
+    ids 0..G-1). With every state a group of its own this is the usual unbiased estimator;
+    with a group per prompt, see mmd2_test."""
     s, t = is_x.to(K.dtype), 1 - is_x.to(K.dtype)
-    A = apart.to(K.dtype)
-    KA = K * A
-    xx = (s * (KA @ s)).sum(0) / (s * (A @ s)).sum(0)
-    yy = (t * (KA @ t)).sum(0) / (t * (A @ t)).sum(0)
-    xy = (s * (KA @ t)).sum(0) / (s * (A @ t)).sum(0)
+    G = int(groups.max()) + 1
+
+    def pairs(a, b):  # (i, j) with a_i and b_j set, from different groups
+        per_group = lambda c: torch.zeros(G, c.shape[1], dtype=c.dtype).index_add_(0, groups, c)
+        return a.sum(0) * b.sum(0) - (per_group(a) * per_group(b)).sum(0)
+
+    xx = (s * (K @ s)).sum(0) / pairs(s, s)
+    yy = (t * (K @ t)).sum(0) / pairs(t, t)
+    xy = (s * (K @ t)).sum(0) / pairs(s, t)
     return xx + yy - 2 * xy
 
 
@@ -119,14 +124,12 @@ def mmd2_test(X, Y, bandwidth, permutations=200, seed=0, x_prompts=None, y_promp
     random relabellings. With x_prompts and y_prompts (the prompt index of each state),
     the two samples are paired: every model answered the same prompts, with the same seed
     per prompt, and each rollout gives several states. A state of the base and one of a run
-    from the same prompt are then alike whatever the models do, and the usual estimator,
-    which counts those pairs in the cross term, comes out below zero by about their excess
-    similarity over the number of states (and a relabelling that splits pairs makes every
-    permutation look larger than the truth: p = 1). Here every mean is over pairs of
-    states from different prompts, so each pair is independent as the formula needs and
-    the estimate has expectation 0 when the models agree; the permutations swap the
-    labels of one prompt's two sets of states at once, the exchange that equal models
-    allow (a sign-flip test)."""
+    from the same prompt are then alike whatever the models do; the usual estimator counts
+    those pairs in its cross term and comes out below zero, and a relabelling that splits
+    them looks larger than the truth, so p = 1. Here every mean is over pairs of states
+    from different prompts, independent as the formula needs, so the estimate has
+    expectation 0 when the models agree; the permutations swap the labels of one prompt's
+    two sets of states at once, the exchange that equal models allow (a sign-flip test)."""
     Z = torch.cat([X, Y]).double()
     K = torch.exp(-sq_dists(Z, Z) / (2 * bandwidth ** 2))
     g = torch.Generator().manual_seed(seed)
@@ -135,17 +138,16 @@ def mmd2_test(X, Y, bandwidth, permutations=200, seed=0, x_prompts=None, y_promp
     labels = torch.empty(len(Z), 1 + permutations, dtype=torch.bool)
     labels[:, 0] = first
     if x_prompts is None:
-        apart = ~torch.eye(len(Z), dtype=torch.bool)
+        groups = torch.arange(len(Z))
         for p in range(1, permutations + 1):
             labels[:, p] = False
             labels[torch.randperm(len(Z), generator=g)[:len(X)], p] = True
     else:
-        prompts = torch.cat([torch.as_tensor(x_prompts), torch.as_tensor(y_prompts)])
-        apart = prompts[:, None] != prompts[None, :]
-        _, prompts = prompts.unique(return_inverse=True)
-        flips = torch.rand(int(prompts.max()) + 1, permutations, generator=g) < 0.5
-        labels[:, 1:] = first[:, None] ^ flips[prompts]
-    stats = mmd2_from_kernel(K, labels, apart)
+        _, groups = torch.cat([torch.as_tensor(x_prompts), torch.as_tensor(y_prompts)]).unique(return_inverse=True)
+        flips = torch.rand(int(groups.max()) + 1, permutations, generator=g) < 0.5
+        labels[:, 1:] = first[:, None] ^ flips[groups]
+    K.masked_fill_(groups[:, None] == groups[None, :], 0.0)
+    stats = mmd2_from_kernel(K, labels, groups)
     p_value = (1 + (stats[1:] >= stats[0]).sum().item()) / (1 + permutations)
     return stats[0].item(), p_value
 
