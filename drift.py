@@ -42,6 +42,10 @@ import lora
 import model as M
 from sample import generate
 
+# written into drift.json: a file that names another estimator (or none, as before the
+# paired one) holds numbers this code would not give, and reproduce.py measures it again
+ESTIMATOR = "paired by prompt"
+
 WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
 
@@ -210,6 +214,15 @@ def featurize(model, tok, rollout_set, kind, embed="state"):
     return hidden_features(model, states, starts=starts), prompts
 
 
+def current(run, name="drift.json"):
+    """Whether the run folder holds a drift result from this code's estimator."""
+    path = os.path.join(run, name)
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("estimator") == ESTIMATOR
+
+
 def add_drift_args(p):
     p.add_argument("--prompts", type=int, default=200, help="first N GSM8K test questions as the fixed prompt set")
     p.add_argument("--max-new-tokens", type=int, default=256, help="longest rollout")
@@ -261,7 +274,8 @@ def main(argv=None):
         ours = collect(model, tok, prompts, args)
         Y, y_prompts = featurize(model, tok, ours, args.features, args.embed)
         mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts, y_prompts)
-        result = dict(mmd2=mmd2, p_value=p_value, bandwidth=bandwidth, features=args.features, embed=args.embed,
+        result = dict(mmd2=mmd2, p_value=p_value, estimator=ESTIMATOR, bandwidth=bandwidth, features=args.features,
+                      embed=args.embed,
                       centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),

@@ -160,7 +160,7 @@ def main(argv=None):
         stages.run(f"train {name}", lora.run_finished(folder), lambda: SCRIPTS[script](argv))
         stages.run(f"evaluate {name}", os.path.isfile(os.path.join(folder, "eval.json")),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
-    missing = [os.path.join(out, n) for n in runs if not os.path.isfile(os.path.join(out, n, "drift.json"))]
+    missing = [os.path.join(out, n) for n in runs if not drift.current(os.path.join(out, n))]
     stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
 
     table = evaluate.write_table(out)

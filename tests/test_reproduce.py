@@ -31,7 +31,13 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     assert (out / "stress" / "adapter_model.safetensors").stat().st_mtime_ns == stamp
 
     os.remove(out / "rl" / "drift.json")
+    # a result of the estimator before the paired one: measured again, not shown as it is
+    stale = json.loads((out / "stress" / "drift.json").read_text())
+    del stale["estimator"]
+    (out / "stress" / "drift.json").write_text(json.dumps(stale))
     third = subprocess.run(cmd, capture_output=True, text=True)
     assert third.returncode == 0, third.stderr[-3000:]
     assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == ["[running] drift"]
-    assert (out / "rl" / "drift.json").is_file()
+    for run in ("rl", "stress"):
+        assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt"
+    assert "delete a run folder" not in third.stdout
