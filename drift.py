@@ -208,17 +208,19 @@ def featurize(model, tok, rollout_set, kind, embed="state"):
     embed="generated" keeps each state's generated part only, and leaves out states with
     none (an empty completion)."""
     states, starts, prompts = rollout_set["states"], rollout_set["prompt_lengths"], rollout_set["prompts"]
-    kept = [i for i, (s, start) in enumerate(zip(states, starts)) if embed == "state" or len(s) > start]
-    states, prompts = [states[i] for i in kept], [prompts[i] for i in kept]
-    starts = [starts[i] for i in kept] if embed == "generated" else [0] * len(states)
+    if embed == "state":
+        starts = [0] * len(states)
+    else:
+        kept = [i for i, (s, start) in enumerate(zip(states, starts)) if len(s) > start]
+        states, starts, prompts = ([values[i] for i in kept] for values in (states, starts, prompts))
     if kind == "lexical":
         return lexical_features([tok.decode(s[start:]) for s, start in zip(states, starts)]), prompts
     return hidden_features(model, states, starts=starts), prompts
 
 
-def current(run, name="drift.json"):
-    """Whether the run folder holds a drift result from this code's estimator."""
-    path = os.path.join(run, name)
+def current(run):
+    """Whether the run folder holds a drift.json from this code's estimator."""
+    path = os.path.join(run, "drift.json")
     if not os.path.isfile(path):
         return False
     with open(path) as f:
@@ -277,8 +279,7 @@ def main(argv=None):
         Y, y_prompts = featurize(model, tok, ours, args.features, args.embed)
         mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts, y_prompts)
         result = dict(mmd2=mmd2, p_value=p_value, estimator=ESTIMATOR, bandwidth=bandwidth, features=args.features,
-                      embed=args.embed,
-                      centroid=(X.mean(0) - Y.mean(0)).norm().item(),
+                      embed=args.embed, centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
                       n_states_base=len(X), n_states_run=len(Y), settings=settings)
