@@ -188,7 +188,7 @@ class packed_weights:
     layout from memory faster than a plain (out, in) matrix and returns rows directly (no
     transposing copy, see linear()), and stacking makes fewer, taller products, each with
     less fixed cost: over Qwen3-0.6B's 28 layers at 8 rows the products take 46 ms against
-    70 ms in F.linear's form (README, Speed; bench/layout.py times whole decodes). Costs
+    70 ms in F.linear's form (bench/README.md; bench/layout.py times whole decodes). Costs
     one copy of the layers' weights while inside, made on entry (about half a second for
     Qwen3-0.6B) and dropped on exit; the output layer stays as it is. Weights changed or
     swapped inside are noticed (PackedWeights.matches) and run unpacked. Does nothing off
