@@ -22,6 +22,8 @@ import tarfile
 import tempfile
 import urllib.request
 
+from model import InputError
+
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "states")
 RAW = "https://raw.githubusercontent.com"
 SOURCES = {  # canonical path -> (url, sha256 or None when only a parse check is possible)
@@ -36,8 +38,8 @@ SOURCES = {  # canonical path -> (url, sha256 or None when only a parse check is
 HOW_TO_FIX = "download the files by hand into the layout in data.py's docstring and pass --data-dir (or set STATES_DATA)"
 
 
-class DataError(ValueError):
-    pass
+class DataError(InputError):
+    """A dataset folder, file or download that cannot be used; the message says how to fix it."""
 
 
 # -----------------------------------------------------------------------------

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import re
-import sys
 import zlib
 
 import torch
@@ -228,15 +227,16 @@ def current(run):
 
 
 def add_drift_args(p):
-    p.add_argument("--prompts", type=int, default=200, help="first N GSM8K test questions as the fixed prompt set")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest rollout")
-    p.add_argument("--temperature", type=float, default=1.0, help="rollout temperature")
-    p.add_argument("--stride", type=int, default=16, help="take a prefix state every N generated tokens")
+    p.add_argument("--prompts", type=M.number(int, 2, why="MMD^2 compares states of different prompts"), default=200,
+                   help="first N GSM8K test questions as the fixed prompt set")
+    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest rollout")
+    p.add_argument("--temperature", type=M.number(float, 0), default=1.0, help="rollout temperature")
+    p.add_argument("--stride", type=M.number(int, 1), default=16, help="take a prefix state every N generated tokens")
     p.add_argument("--features", choices=["lexical", "hidden"], default="lexical", help="state embedding")
     p.add_argument("--embed", choices=["state", "generated"], default="state",
                    help="embed the whole state (x, y_<t), or only its generated part y_<t")
-    p.add_argument("--permutations", type=int, default=200, help="permutations for the MMD p-value")
-    p.add_argument("--projections", type=int, default=64, help="random directions of the sliced Wasserstein distance")
+    p.add_argument("--permutations", type=M.number(int, 1), default=200, help="permutations for the MMD p-value")
+    p.add_argument("--projections", type=M.number(int, 1), default=64, help="random directions of the sliced Wasserstein distance")
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
 
 
@@ -249,8 +249,6 @@ def main(argv=None):
                    help="file name of the result in each run folder (e.g. another name for another --embed)")
     add_drift_args(p)
     args = p.parse_args(argv)
-    if args.prompts < 2:
-        raise SystemExit(f"--prompts {args.prompts}: MMD^2 compares states of different prompts, so it needs at least 2")
     if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
         raise SystemExit(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
     for run in args.runs:
@@ -288,4 +286,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    M.run_script(main)

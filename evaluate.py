@@ -17,7 +17,6 @@ import math
 import os
 import re
 import statistics
-import sys
 
 import torch
 from tqdm import tqdm
@@ -269,15 +268,15 @@ def results_markdown(runs):
 
 def add_eval_args(p):
     p.add_argument("--tasks", default="gsm8k,mmlu,truthfulqa", help="comma-separated subset of gsm8k,mmlu,truthfulqa")
-    p.add_argument("--gsm8k-limit", type=int, default=500, help="first N GSM8K test questions (0 = all 1,319)")
-    p.add_argument("--gsm8k-shots", type=int, default=5, help="few-shot examples from the train split")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="GSM8K generation budget")
-    p.add_argument("--mmlu-limit", type=int, default=500, help="MMLU test questions, stratified over subjects (0 = all 14,042)")
-    p.add_argument("--mmlu-shots", type=int, default=5, help="dev examples per subject")
+    p.add_argument("--gsm8k-limit", type=M.number(int, 0), default=500, help="first N GSM8K test questions (0 = all 1,319)")
+    p.add_argument("--gsm8k-shots", type=M.number(int, 0), default=5, help="few-shot examples from the train split")
+    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="GSM8K generation budget")
+    p.add_argument("--mmlu-limit", type=M.number(int, 0), default=500, help="MMLU test questions, stratified over subjects (0 = all 14,042)")
+    p.add_argument("--mmlu-shots", type=M.number(int, 0), default=5, help="dev examples per subject")
     p.add_argument("--mmlu-scoring", choices=["letter", "text"], default="letter",
                    help="score ' A'..' D' (lm-eval mmlu) or each choice's own text (lm-eval continuation variant)")
-    p.add_argument("--truthfulqa-limit", type=int, default=0, help="first N TruthfulQA questions (0 = all 817)")
-    p.add_argument("--batch-size", type=int, default=16, help="prompts per batch")
+    p.add_argument("--truthfulqa-limit", type=M.number(int, 0), default=0, help="first N TruthfulQA questions (0 = all 817)")
+    p.add_argument("--batch-size", type=M.number(int, 1), default=16, help="prompts per batch")
     p.add_argument("--seed", type=int, default=1234, help="seed of the MMLU subset")
 
 
@@ -345,4 +344,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    M.run_script(main)

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import linear
+from model import InputError, linear, number
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -248,20 +248,20 @@ def assign_adapter_tensors(model, state, name, source):
     found = 0
     for key, tensor in state.items():
         if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise ValueError(f"{source}: unexpected tensor {key}; not a PEFT LoRA adapter")
+            raise InputError(f"{source}: unexpected tensor {key}; not a PEFT LoRA adapter")
         path, kind = key[len(PEFT_PREFIX):].rsplit(".", 2)[0], key.rsplit(".", 2)[1]
         if path not in layers or name not in layers[path].lora_A:
-            raise ValueError(f"{source}: tensor {key} names a layer the base model does not have; "
+            raise InputError(f"{source}: tensor {key} names a layer the base model does not have; "
                              f"was the adapter trained on another base model?")
         param = getattr(layers[path], kind)[name]
         if tuple(tensor.shape) != tuple(param.shape):
-            raise ValueError(f"{source}: {key} has shape {tuple(tensor.shape)} but the base model needs "
+            raise InputError(f"{source}: {key} has shape {tuple(tensor.shape)} but the base model needs "
                              f"{tuple(param.shape)}; the adapter was trained on another base model")
         with torch.no_grad():
             param.copy_(tensor)
         found += 1
     if found != 2 * sum(name in l.lora_A for l in layers.values()):
-        raise ValueError(f"{source}: some LoRA tensors are missing for adapter {name!r}")
+        raise InputError(f"{source}: some LoRA tensors are missing for adapter {name!r}")
 
 
 def load_adapter(model, folder, name="default", activate=True, trainable=False):
@@ -274,7 +274,7 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
     with open(config_path) as f:
         cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
-        raise ValueError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
+        raise InputError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
     targets = cfg["target_modules"]
     targets = [targets] if isinstance(targets, str) else list(targets)
     state = load_file(weights_path)
@@ -334,19 +334,19 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     """The flags every training script shares; each script passes its own defaults."""
     from model import add_model_args
     add_model_args(p)
-    p.add_argument("--lr", type=float, default=lr, help="peak learning rate of the LoRA parameters")
-    p.add_argument("--rank", type=int, default=rank, help="LoRA rank")
-    p.add_argument("--alpha", type=float, default=alpha, help="LoRA alpha (scale = alpha / rank)")
-    p.add_argument("--lora-dropout", type=float, default=dropout, help="dropout on the LoRA path")
-    p.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    p.add_argument("--warmup", type=float, default=warmup, help="fraction of steps with linear warmup, then cosine decay")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0 = off)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--lr", type=number(float, 0, above=True), default=lr, help="peak learning rate of the LoRA parameters")
+    p.add_argument("--rank", type=number(int, 1), default=rank, help="LoRA rank")
+    p.add_argument("--alpha", type=number(float, 0, above=True), default=alpha, help="LoRA alpha (scale = alpha / rank)")
+    p.add_argument("--lora-dropout", type=number(float, 0, below=1), default=dropout, help="dropout on the LoRA path")
+    p.add_argument("--weight-decay", type=number(float, 0), default=0.0, help="AdamW weight decay")
+    p.add_argument("--warmup", type=number(float, 0, below=1), default=warmup, help="fraction of steps with linear warmup, then cosine decay")
+    p.add_argument("--grad-clip", type=number(float, 0), default=1.0, help="clip the global gradient norm (0 = off)")
+    p.add_argument("--grad-accum", type=number(int, 1), default=1, help="micro-batches per optimizer step")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each layer's matrix products and attention outputs for the backward pass and "
                         "recompute the rest: less activation memory for a little more time, the same gradients")
-    p.add_argument("--max-steps", type=int, default=0, help="stop after this many optimizer steps (0 = the full run)")
-    p.add_argument("--save-every", type=int, default=50, help="write a checkpoint every N steps")
+    p.add_argument("--max-steps", type=number(int, 0), default=0, help="stop after this many optimizer steps (0 = the full run)")
+    p.add_argument("--save-every", type=number(int, 1), default=50, help="write a checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
 

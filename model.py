@@ -12,9 +12,11 @@ skip tensors of vocabulary width: RMSNormFunction, SwiGLU, HeadLogprob and HeadK
 forward passes compute what the plain operations compute; tests hold their gradients to
 autograd's, and the whole LoRA training pass to transformers + peft (tests/test_lora.py).
 """
+import argparse
 import functools
 import json
 import os
+import sys
 from dataclasses import dataclass, fields
 
 import torch
@@ -24,6 +26,12 @@ import torch.utils.checkpoint
 from torch.utils.checkpoint import CheckpointPolicy
 
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B-Base"
+
+
+class InputError(ValueError):
+    """A mistake in what the user passed (a flag, a model folder, a checkpoint, an adapter,
+    a dataset file) rather than in the code. Its message names the problem and the fix, and
+    a script ends with that one line instead of a traceback (run_script)."""
 
 
 # -----------------------------------------------------------------------------
@@ -55,15 +63,15 @@ class Qwen3Config:
             d["rope_theta"] = rope["rope_theta"]
         rope_type = rope.get("rope_type", "default") if rope else (d.get("rope_scaling") or {}).get("rope_type", "default")
         if rope_type != "default":
-            raise ValueError(f"{source}: rope type {rope_type!r} is not supported; only plain rotary embeddings (Qwen3 dense) are")
+            raise InputError(f"{source}: rope type {rope_type!r} is not supported; only plain rotary embeddings (Qwen3 dense) are")
         if d.get("use_sliding_window"):
-            raise ValueError(f"{source}: use_sliding_window=true is not supported; set it to false")
+            raise InputError(f"{source}: use_sliding_window=true is not supported; set it to false")
         if d.get("model_type", "qwen3") != "qwen3":
-            raise ValueError(f"{source}: model_type is {d['model_type']!r}; this file implements 'qwen3' only")
+            raise InputError(f"{source}: model_type is {d['model_type']!r}; this file implements 'qwen3' only")
         required = [f.name for f in fields(cls) if f.name not in ("attention_bias", "eos_token_id", "pad_token_id")]
         missing = [n for n in required if n not in d]
         if missing:
-            raise ValueError(f"{source}: missing field(s) {', '.join(missing)}; is this a Qwen3 config.json?")
+            raise InputError(f"{source}: missing field(s) {', '.join(missing)}; is this a Qwen3 config.json?")
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # several stop ids: the first is the end-of-text token
             eos = eos[0]
@@ -782,14 +790,20 @@ def resolve_device(device=None, dtype=None):
     """One place that picks device and dtype, and says why."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"--device {device!r} is not a device; use cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {device}, but torch finds no CUDA device (no GPU, no driver, or a CPU-only build of "
+                         f"torch); leave out --device to run on the CPU")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     elif isinstance(dtype, str):
         names = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
                  "fp16": torch.float16, "float16": torch.float16}
         if dtype not in names:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of fp32, bf16, fp16")
+            raise InputError(f"--dtype {dtype!r} is not a dtype this code knows; use fp32, bf16 or fp16")
         dtype = names[dtype]
     return device, dtype
 
@@ -799,7 +813,35 @@ def add_model_args(p, model_default=DEFAULT_MODEL, model_help="base model: hub i
     p.add_argument("--model", default=model_default, help=model_help)
     p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+
+
+def number(kind, minimum, above=False, below=None, why=""):
+    """An argparse type: a value of kind (int or float) at least minimum (greater, with
+    above=True) and less than below, when given; anything else is argparse's one-line
+    error, which ends with why (the reason for the bound) when given."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        in_range = value > minimum if above else value >= minimum  # False for NaN too
+        if not in_range or (below is not None and not value < below):
+            bound = f"{'above' if above else 'at least'} {minimum}" + (f" and below {below}" if below is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}" + (f": {why}" if why else ""))
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def run_script(main):
+    """A script's entry point: main(argv) on the command line's arguments. A mistake in the
+    user's input (InputError, a file that is not there) ends the run with its one-line
+    message; any other exception is a bug and keeps its traceback."""
+    try:
+        main(sys.argv[1:])
+    except (InputError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def device_from_args(args):
@@ -818,8 +860,8 @@ def model_folder(name_or_path):
         try:
             return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
         except Exception as e:
-            raise RuntimeError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
-                               f"download it elsewhere and pass the local folder with --model") from None
+            raise InputError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+                             f"download it elsewhere and pass the local folder with --model") from None
     raise FileNotFoundError(f"model {name_or_path!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B-Base'")
 
 
@@ -861,12 +903,12 @@ def load_weights(model, state, source):
         state.pop("lm_head.weight", None)  # some exporters write the tied copy too
     for name, t in expected.items():
         if name not in state:
-            raise ValueError(f"{source}: tensor {name} is missing; the checkpoint does not match its config.json")
+            raise InputError(f"{source}: tensor {name} is missing; the checkpoint does not match its config.json")
         if tuple(state[name].shape) != tuple(t.shape):
-            raise ValueError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(t.shape)}")
+            raise InputError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies {tuple(t.shape)}")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise ValueError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all); is this a Qwen3 checkpoint?")
+        raise InputError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all); is this a Qwen3 checkpoint?")
     if model.config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
@@ -901,7 +943,7 @@ def load_tokenizer(folder, config):
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{folder}: no tokenizer.json; the model folder needs the tokenizer file too")
     if config.eos_token_id is None:
-        raise ValueError(f"{folder}: no eos_token_id in generation_config.json or config.json; add it")
+        raise InputError(f"{folder}: no eos_token_id in generation_config.json or config.json; add it")
     return Tokenizer(path, config.eos_token_id, config.pad_token_id)
 
 

@@ -26,7 +26,6 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 
 import torch
@@ -44,12 +43,12 @@ def parse_args(argv):
     p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>)")
     p.add_argument("--signal", choices=["continuation", "logits"], default="continuation", help="what the teacher supplies")
     p.add_argument("--kl", choices=["reverse", "forward"], default="reverse", help="KL direction for --signal logits")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (the schedule's length)")
-    p.add_argument("--prompts-per-step", type=int, default=8, help="student rollouts per step (one per prompt)")
-    p.add_argument("--temperature", type=float, default=1.0, help="student sampling temperature")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest student rollout")
-    p.add_argument("--cuts", type=int, default=4, help="cut points per rollout where the teacher continues")
-    p.add_argument("--continuation-tokens", type=int, default=32, help="longest teacher continuation")
+    p.add_argument("--steps", type=M.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
+    p.add_argument("--prompts-per-step", type=M.number(int, 1), default=8, help="student rollouts per step (one per prompt)")
+    p.add_argument("--temperature", type=M.number(float, 0), default=1.0, help="student sampling temperature")
+    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest student rollout")
+    p.add_argument("--cuts", type=M.number(int, 1), default=4, help="cut points per rollout where the teacher continues")
+    p.add_argument("--continuation-tokens", type=M.number(int, 1), default=32, help="longest teacher continuation")
     lora.add_training_args(p, lr=1e-4, rank=16, alpha=32)
     args = p.parse_args(argv)
     args.out = args.out or f"out/opd-{os.path.basename(os.path.normpath(args.teacher))}"
@@ -173,4 +172,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    M.run_script(main)

@@ -22,7 +22,6 @@ import argparse
 import itertools
 import math
 import statistics
-import sys
 import time
 
 import torch
@@ -37,14 +36,16 @@ from sample import generate
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/rl", help="run folder")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (the schedule's length)")
-    p.add_argument("--prompts-per-step", type=int, default=8, help="GSM8K train prompts per step")
-    p.add_argument("--group-size", type=int, default=8, help="completions sampled per prompt")
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest completion")
-    p.add_argument("--ppo-epochs", type=int, default=1, help="gradient steps per batch of rollouts (1 = on-policy)")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO ratio clip, used when --ppo-epochs > 1")
-    p.add_argument("--kl-coef", type=float, default=0.0, help="weight of the k3 KL estimate against the base model")
+    p.add_argument("--steps", type=M.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
+    p.add_argument("--prompts-per-step", type=M.number(int, 1), default=8, help="GSM8K train prompts per step")
+    p.add_argument("--group-size", default=8, help="completions sampled per prompt",
+                   type=M.number(int, 2, why="the advantage compares each sample with the others of its prompt"))
+    p.add_argument("--temperature", default=1.0, help="sampling temperature of the rollouts",
+                   type=M.number(float, 0, above=True, why="at 0 a prompt's samples are all the same: no advantage"))
+    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest completion")
+    p.add_argument("--ppo-epochs", type=M.number(int, 1), default=1, help="gradient steps per batch of rollouts (1 = on-policy)")
+    p.add_argument("--clip", type=M.number(float, 0, above=True), default=0.2, help="PPO ratio clip, used when --ppo-epochs > 1")
+    p.add_argument("--kl-coef", type=M.number(float, 0), default=0.0, help="weight of the k3 KL estimate against the base model")
     lora.add_training_args(p, lr=2e-5, rank=16, alpha=32, warmup=0.0)
     return p.parse_args(argv)
 
@@ -144,4 +145,4 @@ def main(argv=None, reward_fn=exact_answer_reward):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    M.run_script(main)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lora
-from model import left_pad, packed_weights
+from model import InputError, left_pad, packed_weights
 
 
 @dataclass
@@ -191,9 +191,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
         # CUDA graph off without touching code
         decode = os.environ.get("STATES_DECODE") or ("graph" if device.type == "cuda" else "dropping")
     if decode not in ("dropping", "fixed", "graph"):
-        raise ValueError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed' or 'graph'")
+        raise InputError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed' or 'graph'")
     if decode == "graph" and device.type != "cuda":
-        raise ValueError(f"decode='graph' needs a CUDA device, the model is on {device}; use decode='fixed' or 'auto'")
+        raise InputError(f"decode='graph' needs a CUDA device, the model is on {device}; use decode='fixed' or 'auto'")
     # packing (bf16 on the CPU) reads the weights as folded, so it goes inside the fold
     with lora.folded_adapter(model) if fold_adapter else contextlib.nullcontext(), packed_weights(model):
         return _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,

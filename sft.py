@@ -16,7 +16,6 @@ Presets (see PAPER.md): `mild` (1 epoch, lr 1e-4, rank 16) and `stress` (the pap
 """
 import argparse
 import math
-import sys
 import time
 
 import torch
@@ -36,10 +35,10 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="mild", help="hyperparameter set; flags override it")
     p.add_argument("--out", default=None, help="run folder (default: out/<preset>)")
-    p.add_argument("--epochs", type=float, default=None, help="passes over the training set")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per optimizer step")
-    p.add_argument("--max-length", type=int, default=512, help="longest training sequence in tokens (longer ones are cut)")
-    p.add_argument("--train-limit", type=int, default=0, help="use the first N GSM8K train examples (0 = all 7,473)")
+    p.add_argument("--epochs", type=M.number(float, 0, above=True), default=None, help="passes over the training set")
+    p.add_argument("--batch-size", type=M.number(int, 1), default=16, help="sequences per optimizer step")
+    p.add_argument("--max-length", type=M.number(int, 2), default=512, help="longest training sequence in tokens (longer ones are cut)")
+    p.add_argument("--train-limit", type=M.number(int, 0), default=0, help="use the first N GSM8K train examples (0 = all 7,473)")
     lora.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
     preset = p.parse_known_args(argv)[0].preset
     p.set_defaults(**PRESETS[preset])  # a flag given on the command line still wins
@@ -74,7 +73,13 @@ def main(argv=None):
         prompt_ids = tok.encode(prompt)
         answer_ids = tok.encode(prompt + " " + r["answer"])[len(prompt_ids):] + [tok.eos_id]
         examples.append(((prompt_ids + answer_ids)[:args.max_length], len(prompt_ids)))
-    examples = [e for e in examples if e[1] < len(e[0])]  # a prompt longer than max-length leaves nothing to learn
+    kept = [e for e in examples if e[1] < len(e[0])]  # a prompt longer than max-length leaves nothing to learn
+    if not kept:
+        raise M.InputError(f"--max-length {args.max_length} cuts every example before its answer (the shortest prompt "
+                           f"has {min(p for _, p in examples)} tokens); raise it")
+    if len(kept) < len(examples):
+        print(f"left out {len(examples) - len(kept)} of {len(examples)} examples whose prompt fills --max-length")
+    examples = kept
     steps_per_epoch = math.ceil(len(examples) / args.batch_size)
     total = math.ceil(args.epochs * steps_per_epoch)  # the schedule's length; --max-steps only stops early
     end = min(total, args.max_steps) if args.max_steps else total
@@ -113,4 +118,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    M.run_script(main)

@@ -26,10 +26,8 @@ format stays at chance), and prompts are zero-shot (the context is 256 tokens).
 import argparse
 import csv
 import json
-import math
 import os
 import random
-import sys
 import time
 
 import torch
@@ -240,17 +238,17 @@ def check_base(scores, strict=True):
 
 def add_toy_args(p):
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=int, default=1300, help="target-task problems in the pretraining mix (disjoint from train and test)")
-    p.add_argument("--retention-repeats", type=int, default=2, help="copies of the retention corpus in the pretraining mix")
-    p.add_argument("--pretrain-steps", type=int, default=1100, help="pretraining steps (about 10 minutes on 2 cores)")
-    p.add_argument("--pretrain-lr", type=float, default=2e-3, help="peak pretraining learning rate")
-    p.add_argument("--batch", type=int, default=16, help="sequences per pretraining step")
-    p.add_argument("--context", type=int, default=256, help="pretraining sequence length")
+    p.add_argument("--target-problems", type=M.number(int, 0), default=1300, help="target-task problems in the pretraining mix (disjoint from train and test)")
+    p.add_argument("--retention-repeats", type=M.number(int, 1), default=2, help="copies of the retention corpus in the pretraining mix")
+    p.add_argument("--pretrain-steps", type=M.number(int, 1), default=1100, help="pretraining steps (about 10 minutes on 2 cores)")
+    p.add_argument("--pretrain-lr", type=M.number(float, 0, above=True), default=2e-3, help="peak pretraining learning rate")
+    p.add_argument("--batch", type=M.number(int, 1), default=16, help="sequences per pretraining step")
+    p.add_argument("--context", type=M.number(int, 2), default=256, help="pretraining sequence length")
     p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size")
-    p.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    p.add_argument("--heads", type=int, default=4, help="attention heads (half as many key/value heads)")
-    p.add_argument("--bf16", type=int, default=1, help="bf16 autocast during pretraining (1/0)")
+    p.add_argument("--hidden", type=M.number(int, 2), default=256, help="hidden size")
+    p.add_argument("--layers", type=M.number(int, 1), default=4, help="transformer blocks")
+    p.add_argument("--heads", type=M.number(int, 2), default=4, help="attention heads (half as many key/value heads)")
+    p.add_argument("--bf16", type=int, choices=[0, 1], default=1, help="bf16 autocast during pretraining (1/0)")
 
 
 def main(argv=None):
@@ -258,6 +256,9 @@ def main(argv=None):
     p.add_argument("--out", default="out/toy", help="folder for data/ and base-model/")
     add_toy_args(p)
     args = p.parse_args(argv)
+    if args.heads % 2 or args.hidden % (2 * args.heads):
+        p.error(f"--hidden {args.hidden} --heads {args.heads}: the heads must be even in number (half as many key/value "
+                f"heads) and split the hidden size into heads of even size (rotary turns pairs of features)")
     print(vars(args))
     t0 = time.time()
     data_dir, model_dir = pretrain(args.out, args)
@@ -273,4 +274,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    M.run_script(main)

@@ -1,10 +1,13 @@
+import argparse
 import json
 import os
 import shutil
+import sys
 
 import pytest
 import torch
 
+import data
 import model as M
 from conftest import SHARED_CONFIG, TINY_CONFIGS, save_hf_model
 
@@ -170,7 +173,7 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
     state = load_file(path)
     del state["model.layers.1.mlp.up_proj.weight"]
     save_file(state, path)
-    with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight is missing"):
+    with pytest.raises(M.InputError, match=r"model.layers.1.mlp.up_proj.weight is missing"):
         M.load(missing)
 
     shape = copy_model(tiny_model, tmp_path / "shape")
@@ -178,7 +181,7 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
     state = load_file(path)
     state["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 3)
     save_file(state, path)
-    with pytest.raises(ValueError, match=r"k_proj.weight has shape \(3, 3\)") as e:
+    with pytest.raises(M.InputError, match=r"k_proj.weight has shape \(3, 3\)") as e:
         M.load(shape)
     assert "\n" not in str(e.value)
 
@@ -195,6 +198,52 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
         ours.token_kl(hidden, hidden[:2])
     with pytest.raises(ValueError, match="direction 'backward' is neither 'reverse'"):
         ours.token_kl(hidden, hidden, "backward")
+
+
+def test_number_flags_name_the_bound_and_the_reason(capsys):
+    p = argparse.ArgumentParser(prog="script.py")
+    p.add_argument("--n", type=M.number(int, 2, why="a pair needs two"))
+    p.add_argument("--lr", type=M.number(float, 0, above=True))
+    p.add_argument("--p", type=M.number(float, 0, below=1))
+    assert vars(p.parse_args(["--n", "2", "--lr", "1e-4", "--p", "0"])) == {"n": 2, "lr": 1e-4, "p": 0.0}
+    for argv, message in ((["--n", "1"], "argument --n: must be at least 2, got 1: a pair needs two"),
+                          (["--n", "2.5"], "argument --n: '2.5' is not a whole number"),
+                          (["--lr", "0"], "argument --lr: must be above 0, got 0"),
+                          (["--lr", "nan"], "argument --lr: must be above 0, got nan"),
+                          (["--p", "1"], "argument --p: must be at least 0 and below 1, got 1")):
+        with pytest.raises(SystemExit) as e:
+            p.parse_args(argv)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_run_script_ends_input_errors_in_one_line_and_keeps_tracebacks_for_bugs(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["script.py", "--flag"])
+    seen = []
+    M.run_script(seen.append)
+    assert seen == [["--flag"]]
+
+    def broken_file(argv):
+        raise M.InputError("x.json: not JSON; fix it")
+    with pytest.raises(SystemExit, match=r"^error: x.json: not JSON; fix it$"):
+        M.run_script(broken_file)
+    with pytest.raises(SystemExit, match=r"^error: data folder .*nowhere does not exist"):  # data.DataError is one too
+        M.run_script(lambda argv: data.resolve_data_dir("/nowhere"))
+
+    def bug(argv):
+        raise ValueError("a bug")
+    with pytest.raises(ValueError, match="a bug"):
+        M.run_script(bug)
+
+
+def test_a_device_that_is_not_there_is_a_one_line_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(M.InputError, match="--device cuda, but torch finds no CUDA device"):
+        M.resolve_device("cuda")
+    with pytest.raises(M.InputError, match="--device 'gpu' is not a device"):
+        M.resolve_device("gpu")
+    with pytest.raises(M.InputError, match="--dtype 'fp8' is not a dtype"):
+        M.resolve_device("cpu", "fp8")
+    assert M.resolve_device(None) == (torch.device("cpu"), torch.float32)
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])

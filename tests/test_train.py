@@ -145,7 +145,7 @@ def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_d
 
 def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_path, monkeypatch):
     seen = {"trained": [], "sampled": []}
-    real_logprobs, real_states, real_generate = M.sequence_logprobs, M.sequence_states, rl.generate
+    real_logprobs, real_generate = M.sequence_logprobs, rl.generate
 
     def record_logprobs(model, sequences, starts, pad_id=0):
         if torch.is_grad_enabled():
@@ -266,6 +266,34 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path):
         json.dump({"model": tiny_models["untied"]}, f)
     lines = run(other, tiny_models["tied"])
     assert len(lines) == 1 and f"pass --model {tiny_models['untied']}" in lines[0]
+
+
+def test_a_missing_model_or_data_folder_is_one_line_from_a_script(tiny_model, data_dir, tmp_path):
+    for script, model, data_folder, message in (
+            ("sft.py", str(tmp_path / "no-model"), data_dir, "no-model' is neither a local folder nor a hub id"),
+            ("rl.py", tiny_model, tmp_path / "no-data", "no-data does not exist; pass --data-dir")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, script), *common(model, data_folder, tmp_path / script)],
+                           capture_output=True, text=True)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    ("rl", ["--group-size", "1"], "argument --group-size: must be at least 2, got 1: the advantage compares"),
+    ("rl", ["--temperature", "0"], "argument --temperature: must be above 0, got 0"),
+    ("opd", ["--teacher", "out/stress", "--cuts", "0"], "argument --cuts: must be at least 1, got 0"),
+    ("sft", ["--lr", "-0.001"], "argument --lr: must be above 0, got -0.001"),
+    ("sft", ["--lora-dropout", "1"], "argument --lora-dropout: must be at least 0 and below 1, got 1"),
+])
+def test_bad_flags_are_named_before_anything_runs(script, argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        MAINS[script](argv)
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_sft_max_length_that_cuts_every_answer_is_an_input_error(tiny_model, data_dir, tmp_path):
+    with pytest.raises(M.InputError, match="--max-length 4 cuts every example before its answer"):
+        sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--max-length", 4, "--max-steps", 1))
 
 
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
