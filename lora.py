@@ -271,6 +271,9 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
         raise FileNotFoundError(f"{folder}: no adapter_config.json + adapter_model.safetensors; is this a run folder?")
+    if os.path.isfile(os.path.join(folder, "run.json")) and not run_finished(folder):
+        # a teacher or an evaluation taken from a run that is still training, or that stopped, is rarely meant
+        print(f"note: the run in {folder} has not finished (still training, or stopped); using its last saved adapter")
     with open(config_path) as f:
         cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):

@@ -223,7 +223,7 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4]
 
 
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir, tmp_path, monkeypatch):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir, tmp_path, monkeypatch, capsys):
     args = common(tiny_model, data_dir, tmp_path / "nan", "--train-limit", 12, "--batch-size", 4, "--save-every", 2,
                   "--epochs", 2)
     calls = {"n": 0}
@@ -245,6 +245,10 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir,
     assert kept["step"] == 2
     a, b = adapter_tensors(tmp_path / "nan" / "checkpoint"), adapter_tensors(tmp_path / "clean")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+    capsys.readouterr()
+    for run, unfinished in (("nan", True), ("clean", False)):  # a stopped run's adapter is used with a note
+        lora.load_adapter(M.load(tiny_model)[0], str(tmp_path / run))
+        assert ("has not finished" in capsys.readouterr().out) == unfinished
 
 
 def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path):
