@@ -860,7 +860,8 @@ def model_folder(name_or_path):
         try:
             return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
         except Exception as e:
-            raise InputError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {e}); "
+            detail = " ".join(str(e).split())  # the hub's messages span several lines
+            raise InputError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {detail}); "
                              f"download it elsewhere and pass the local folder with --model") from None
     raise FileNotFoundError(f"model {name_or_path!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B-Base'")
 

@@ -235,6 +235,18 @@ def test_run_script_ends_input_errors_in_one_line_and_keeps_tracebacks_for_bugs(
         M.run_script(bug)
 
 
+def test_a_hub_id_that_cannot_be_fetched_is_a_one_line_error(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("Cannot reach the hub.\nCheck your internet connection\n  and try again.")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(M.InputError, match=r"could not fetch 'Qwen/Qwen3-0.6B-Base' .*Cannot reach the hub. Check your "
+                                           r"internet connection and try again.*pass the local folder with --model") as e:
+        M.model_folder("Qwen/Qwen3-0.6B-Base")
+    assert "\n" not in str(e.value)
+
+
 def test_a_device_that_is_not_there_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(M.InputError, match="--device cuda, but torch finds no CUDA device"):
