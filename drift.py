@@ -238,7 +238,8 @@ def add_drift_args(p):
     p.add_argument("--embed", choices=["state", "generated"], default="state",
                    help="embed the whole state (x, y_<t), or only its generated part y_<t")
     p.add_argument("--permutations", type=M.number(int, 1), default=200, help="permutations for the MMD p-value")
-    p.add_argument("--projections", type=M.number(int, 1), default=64, help="random directions of the sliced Wasserstein distance")
+    p.add_argument("--projections", type=M.number(int, 1), default=64,
+                   help="random directions of the sliced Wasserstein distance")
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
 
 

@@ -271,7 +271,8 @@ def add_eval_args(p):
     p.add_argument("--gsm8k-limit", type=M.number(int, 0), default=500, help="first N GSM8K test questions (0 = all 1,319)")
     p.add_argument("--gsm8k-shots", type=M.number(int, 0), default=5, help="few-shot examples from the train split")
     p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="GSM8K generation budget")
-    p.add_argument("--mmlu-limit", type=M.number(int, 0), default=500, help="MMLU test questions, stratified over subjects (0 = all 14,042)")
+    p.add_argument("--mmlu-limit", type=M.number(int, 0), default=500,
+                   help="MMLU test questions, stratified over subjects (0 = all 14,042)")
     p.add_argument("--mmlu-shots", type=M.number(int, 0), default=5, help="dev examples per subject")
     p.add_argument("--mmlu-scoring", choices=["letter", "text"], default="letter",
                    help="score ' A'..' D' (lm-eval mmlu) or each choice's own text (lm-eval continuation variant)")

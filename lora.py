@@ -342,13 +342,15 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--alpha", type=number(float, 0, above=True), default=alpha, help="LoRA alpha (scale = alpha / rank)")
     p.add_argument("--lora-dropout", type=number(float, 0, below=1), default=dropout, help="dropout on the LoRA path")
     p.add_argument("--weight-decay", type=number(float, 0), default=0.0, help="AdamW weight decay")
-    p.add_argument("--warmup", type=number(float, 0, below=1), default=warmup, help="fraction of steps with linear warmup, then cosine decay")
+    p.add_argument("--warmup", type=number(float, 0, below=1), default=warmup,
+                   help="fraction of steps with linear warmup, then cosine decay")
     p.add_argument("--grad-clip", type=number(float, 0), default=1.0, help="clip the global gradient norm (0 = off)")
     p.add_argument("--grad-accum", type=number(int, 1), default=1, help="micro-batches per optimizer step")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each layer's matrix products and attention outputs for the backward pass and "
                         "recompute the rest: less activation memory for a little more time, the same gradients")
-    p.add_argument("--max-steps", type=number(int, 0), default=0, help="stop after this many optimizer steps (0 = the full run)")
+    p.add_argument("--max-steps", type=number(int, 0), default=0,
+                   help="stop after this many optimizer steps (0 = the full run)")
     p.add_argument("--save-every", type=number(int, 1), default=50, help="write a checkpoint every N steps")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")

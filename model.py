@@ -811,9 +811,11 @@ def resolve_device(device=None, dtype=None):
 def add_model_args(p, model_default=DEFAULT_MODEL, model_help="base model: hub id or local folder"):
     """The flags every entry point shares: which model, which data, which device."""
     p.add_argument("--model", default=model_default, help=model_help)
-    p.add_argument("--data-dir", default=None, help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
+    p.add_argument("--data-dir", default=None,
+                   help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"], help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
+                   help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
 
 
 def number(kind, minimum, above=False, below=None, why=""):

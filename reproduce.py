@@ -123,7 +123,8 @@ class Stages:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="toy", help="which study to run")
-    p.add_argument("--seeds", type=M.number(int, 1), default=1, help="repeat the post-training conditions over this many seeds")
+    p.add_argument("--seeds", type=M.number(int, 1), default=1,
+                   help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
     M.add_model_args(p, None, "base model (default: the preset's)")
     args = p.parse_args(argv)

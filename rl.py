@@ -43,9 +43,12 @@ def parse_args(argv):
     p.add_argument("--temperature", default=1.0, help="sampling temperature of the rollouts",
                    type=M.number(float, 0, above=True, why="at 0 a prompt's samples are all the same: no advantage"))
     p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest completion")
-    p.add_argument("--ppo-epochs", type=M.number(int, 1), default=1, help="gradient steps per batch of rollouts (1 = on-policy)")
-    p.add_argument("--clip", type=M.number(float, 0, above=True), default=0.2, help="PPO ratio clip, used when --ppo-epochs > 1")
-    p.add_argument("--kl-coef", type=M.number(float, 0), default=0.0, help="weight of the k3 KL estimate against the base model")
+    p.add_argument("--ppo-epochs", type=M.number(int, 1), default=1,
+                   help="gradient steps per batch of rollouts (1 = on-policy)")
+    p.add_argument("--clip", type=M.number(float, 0, above=True), default=0.2,
+                   help="PPO ratio clip, used when --ppo-epochs > 1")
+    p.add_argument("--kl-coef", type=M.number(float, 0), default=0.0,
+                   help="weight of the k3 KL estimate against the base model")
     lora.add_training_args(p, lr=2e-5, rank=16, alpha=32, warmup=0.0)
     return p.parse_args(argv)
 

@@ -37,8 +37,10 @@ def parse_args(argv):
     p.add_argument("--out", default=None, help="run folder (default: out/<preset>)")
     p.add_argument("--epochs", type=M.number(float, 0, above=True), default=None, help="passes over the training set")
     p.add_argument("--batch-size", type=M.number(int, 1), default=16, help="sequences per optimizer step")
-    p.add_argument("--max-length", type=M.number(int, 2), default=512, help="longest training sequence in tokens (longer ones are cut)")
-    p.add_argument("--train-limit", type=M.number(int, 0), default=0, help="use the first N GSM8K train examples (0 = all 7,473)")
+    p.add_argument("--max-length", type=M.number(int, 2), default=512,
+                   help="longest training sequence in tokens (longer ones are cut)")
+    p.add_argument("--train-limit", type=M.number(int, 0), default=0,
+                   help="use the first N GSM8K train examples (0 = all 7,473)")
     lora.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
     preset = p.parse_known_args(argv)[0].preset
     p.set_defaults(**PRESETS[preset])  # a flag given on the command line still wins

@@ -238,9 +238,12 @@ def check_base(scores, strict=True):
 
 def add_toy_args(p):
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=M.number(int, 0), default=1300, help="target-task problems in the pretraining mix (disjoint from train and test)")
-    p.add_argument("--retention-repeats", type=M.number(int, 1), default=2, help="copies of the retention corpus in the pretraining mix")
-    p.add_argument("--pretrain-steps", type=M.number(int, 1), default=1100, help="pretraining steps (about 10 minutes on 2 cores)")
+    p.add_argument("--target-problems", type=M.number(int, 0), default=1300,
+                   help="target-task problems in the pretraining mix (disjoint from train and test)")
+    p.add_argument("--retention-repeats", type=M.number(int, 1), default=2,
+                   help="copies of the retention corpus in the pretraining mix")
+    p.add_argument("--pretrain-steps", type=M.number(int, 1), default=1100,
+                   help="pretraining steps (about 10 minutes on 2 cores)")
     p.add_argument("--pretrain-lr", type=M.number(float, 0, above=True), default=2e-3, help="peak pretraining learning rate")
     p.add_argument("--batch", type=M.number(int, 1), default=16, help="sequences per pretraining step")
     p.add_argument("--context", type=M.number(int, 2), default=256, help="pretraining sequence length")
