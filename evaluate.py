@@ -238,6 +238,33 @@ def group_seeds(rows):
     return out
 
 
+def ranks(values):
+    """1-based ranks, ties sharing the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            out[k] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def drift_vs_forgetting(rows):
+    """The paper's P4 as two numbers: Spearman's rank correlation and Pearson's correlation
+    between MMD^2 and forgetting over the rows that have both (the base has neither). None
+    for fewer than three such rows or a column without spread."""
+    pairs = [(r["mmd"], r["forgetting"]) for r in rows if r.get("mmd") is not None and r.get("forgetting") is not None]
+    mmd, forgetting = [p[0] for p in pairs], [p[1] for p in pairs]
+    if len(pairs) < 3 or len(set(mmd)) < 2 or len(set(forgetting)) < 2:
+        return None
+    return dict(n=len(pairs), spearman=statistics.correlation(ranks(mmd), ranks(forgetting)),
+                pearson=statistics.correlation(mmd, forgetting))
+
+
 def fmt(x, spec=".3f", std=None):
     if x is None:
         return "-"
@@ -260,6 +287,16 @@ def results_markdown(runs):
         paper = PAPER.get(row["run"], {})
         cells = [f"{fmt(row[k], d, row[k + '_std'])} / {fmt(paper.get(k), d)}" for k, _, d in cols]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + f" | {fmt(row['state_nll'], '.3f', row['state_nll_std'])} |")
+    ours = drift_vs_forgetting(rows)
+    if ours:  # P4: does drift explain forgetting?
+        paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()])
+        lines += ["", f"MMD against forgetting (P4) over the {ours['n']} post-trained conditions: Spearman's rank "
+                      f"correlation {ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (the paper's Table 2, "
+                      f"{paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f})."]
+        single = drift_vs_forgetting(table_rows(runs))
+        if any(r["seeds"] > 1 for r in rows) and single:
+            lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
+                          f"{single['pearson']:.2f}.")
     return "\n".join(lines) + "\n"
 
 

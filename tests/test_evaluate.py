@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 import data
@@ -59,6 +60,29 @@ def test_table_gives_small_drift_in_significant_digits():
     run = lambda mmd2: {"eval": {"gsm8k": {"flexible": 0.5}}, "drift": {"mmd2": mmd2}}
     table = E.results_markdown({"stress": run(1.5e-5), "stress-seed1": run(2.5e-5)})
     assert "| stress | 0.500±0.000 / 0.420 |" in table and "| 2e-05±7.071e-06 / 0.01093 |" in table
+
+
+def test_drift_against_forgetting_correlations():
+    rows = [dict(run=n, mmd=m, forgetting=f) for n, m, f in (("a", 1.0, 0.1), ("b", 2.0, 0.3), ("c", 3.0, 0.2),
+                                                              ("d", 4.0, 0.4), ("base", None, None))]
+    got = E.drift_vs_forgetting(rows)
+    mmd, forgetting = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0.1, 0.3, 0.2, 0.4])
+    assert got["n"] == 4 and abs(got["spearman"] - 0.8) < 1e-12
+    assert abs(got["pearson"] - np.corrcoef(mmd, forgetting)[0, 1]) < 1e-12
+    assert E.ranks([0.3, 0.1, 0.3, 0.2]) == [3.5, 1.0, 3.5, 2.0]  # ties share their mean rank
+    assert E.drift_vs_forgetting(rows[:2]) is None  # too few
+    assert E.drift_vs_forgetting([dict(r, forgetting=0.0) for r in rows]) is None  # no spread
+    # the paper's Table 2: rank differences 0, 2, 2, 2, 2 over five runs give 1 - 6 * 16 / (5 * 24) = 0.2
+    paper = E.drift_vs_forgetting([dict(run=n, **v) for n, v in E.PAPER.items()])
+    assert paper["n"] == 5 and abs(paper["spearman"] - 0.2) < 1e-12
+
+    run = lambda mmd2, forgetting: {"eval": {"retention": {"forgetting": forgetting}}, "drift": {"mmd2": mmd2}}
+    table = E.results_markdown({"mild": run(1e-5, 0.0), "mild-seed1": run(3e-5, 0.02), "stress": run(2e-5, 0.3),
+                                "stress-seed1": run(4e-5, 0.5), "rl": run(6e-5, 0.01), "rl-seed1": run(4e-5, 0.03)})
+    # condition means: MMD^2 2, 3, 5 (x 1e-5), forgetting 0.01, 0.4, 0.02: ranks 1, 2, 3 against 1, 3, 2
+    pearson = np.corrcoef([2, 3, 5], [0.01, 0.4, 0.02])[0, 1]
+    assert (f"over the 3 post-trained conditions: Spearman's rank correlation 0.50, Pearson's {pearson:.2f} (the "
+            f"paper's Table 2, 5 runs: 0.20 and -0.08). Over the 6 single runs, each seed apart:") in table
 
 
 def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
