@@ -362,6 +362,8 @@ def main(argv=None):
     for run in args.runs:
         if run != "base" and not os.path.isfile(os.path.join(run, "adapter_config.json")):
             raise SystemExit(f"{run} is not a run folder (no adapter_config.json); name a folder written by sft.py, rl.py or opd.py, or 'base'")
+        if run != "base":
+            lora.check_base(run, args.model)
     print(vars(args))
     model, tok = M.load(args.model, args.device, args.dtype)
     for run in args.runs:

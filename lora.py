@@ -356,6 +356,19 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
 
 
+def check_base(folder, model):
+    """Stop when the run in folder was trained on another base model than model (the --model
+    given now): its adapter on another base of the same shapes would load without a word and
+    give numbers that mean nothing. A folder without run.json (a peft adapter) is not checked."""
+    path = os.path.join(folder, "run.json")
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        trained_on = json.load(f).get("model")
+    if trained_on and os.path.normpath(trained_on) != os.path.normpath(model):
+        raise InputError(f"{folder} was trained on base {trained_on}, but --model is {model}; pass --model {trained_on}")
+
+
 def run_finished(folder):
     path = os.path.join(folder, "run.json")
     if not os.path.isfile(path):

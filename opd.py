@@ -21,7 +21,6 @@ teacher shares the student's frozen base weights in memory: only the active adap
 """
 import argparse
 import itertools
-import json
 import math
 import os
 import random
@@ -59,13 +58,7 @@ def load_teacher(model, args):
     """Adapter 'teacher' on the shared base, or None when the teacher is the base itself.
     A different model id gets its own copy (it must share the tokenizer)."""
     if os.path.isdir(args.teacher) and os.path.isfile(os.path.join(args.teacher, "adapter_config.json")):
-        run_json = os.path.join(args.teacher, "run.json")
-        if os.path.isfile(run_json):
-            with open(run_json) as f:
-                teacher_base = json.load(f).get("model")
-            if teacher_base and os.path.normpath(teacher_base) != os.path.normpath(args.model):
-                raise SystemExit(f"teacher {args.teacher} was trained on base {teacher_base}, but --model is "
-                                 f"{args.model}; pass --model {teacher_base}")
+        lora.check_base(args.teacher, args.model)
         try:
             lora.load_adapter(model, args.teacher, name="teacher", activate=False)
         except ValueError as e:

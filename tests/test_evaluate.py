@@ -4,10 +4,13 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 import data
+import drift
 import evaluate as E
+import lora
 import model as M
 from conftest import ROOT
 
@@ -85,8 +88,19 @@ def test_drift_against_forgetting_correlations():
             f"paper's Table 2, 5 runs: 0.20 and -0.08). Over the 6 single runs, each seed apart:") in table
 
 
+def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path):
+    """Two bases of the same shapes: the adapter would load on either without a word."""
+    m, _ = M.load(tiny_models["tied"])
+    lora.add_lora(m, rank=2, alpha=4)
+    run = tmp_path / "stress"
+    lora.save_adapter(m, str(run))
+    (run / "run.json").write_text(json.dumps({"model": tiny_models["untied"]}))
+    for main in (E.main, drift.main):
+        with pytest.raises(M.InputError, match="stress was trained on base .*untied, but --model is .*tied; pass --model"):
+            main([str(run), "--model", tiny_models["tied"], "--data-dir", str(data_dir), "--out", str(tmp_path)])
+
+
 def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
-    import lora
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", tiny_model, "--data-dir", data_dir,
            "--out", str(out), "--gsm8k-limit", "8", "--mmlu-limit", "8", "--truthfulqa-limit", "8",
