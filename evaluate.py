@@ -125,8 +125,11 @@ def eval_mmlu(model, tok, args):
 
 
 def mc2_score(lls, labels):
-    """Normalised probability mass on the true answers (TruthfulQA MC2)."""
-    p = [math.exp(x) for x in lls]
+    """Normalised probability mass on the true answers (TruthfulQA MC2). The largest
+    log-likelihood is taken out before exp, which the ratio does not see: a long answer's
+    summed log-likelihood below -745 would otherwise underflow to 0, and all of them 0/0."""
+    top = max(lls)
+    p = [math.exp(x - top) for x in lls]
     return sum(pi for pi, lab in zip(p, labels) if lab) / sum(p)
 
 

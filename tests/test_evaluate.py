@@ -46,6 +46,8 @@ def test_mc2_score():
     lls = [math.log(0.2), math.log(0.1), math.log(0.1)]
     assert abs(E.mc2_score(lls, [1, 0, 0]) - 0.5) < 1e-9
     assert abs(E.mc2_score(lls, [1, 1, 0]) - 0.75) < 1e-9
+    far = [x - 2000 for x in lls]  # exp of each underflows to 0; the ratio is the same
+    assert abs(E.mc2_score(far, [1, 1, 0]) - 0.75) < 1e-9
 
 
 def test_retention_math_reproduces_table2():
