@@ -210,13 +210,15 @@ def short_run(script, tiny_model):
 
 
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
-def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, script):
+def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, script, capsys):
     main, extra = MAINS[script], short_run(script, tiny_model)
     main(common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 4, "--save-every", 2))
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 2, "--save-every", 2))
     with pytest.raises(SystemExit, match="already holds a trained run"):
         main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4))
+    capsys.readouterr()
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4, "--save-every", 2, "--resume"))
+    assert f"note: resuming {tmp_path / 'cut'} with changed settings: --max-steps 2 -> 4\n" in capsys.readouterr().out
     a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # it did train
