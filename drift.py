@@ -253,10 +253,10 @@ def main(argv=None):
     add_drift_args(p)
     args = p.parse_args(argv)
     if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
-        raise SystemExit(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
+        raise M.InputError(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
     for run in args.runs:
         if not os.path.isfile(os.path.join(run, "adapter_config.json")):
-            raise SystemExit(f"{run} is not a run folder (no adapter_config.json); name folders written by sft.py, rl.py or opd.py")
+            raise M.InputError(f"{run} is not a run folder (no adapter_config.json); name folders written by sft.py, rl.py or opd.py")
         lora.check_base(run, args.model)
     print(vars(args))
     model, tok = M.load(args.model, args.device, args.dtype)

@@ -326,7 +326,7 @@ def evaluate(model, tok, args):
     results, samples = {}, []
     for task in args.tasks.split(","):
         if task not in TASKS:
-            raise SystemExit(f"unknown task {task!r}; choose from {','.join(TASKS)}")
+            raise M.InputError(f"unknown task {task!r}; choose from {','.join(TASKS)}")
         res, smp = {"gsm8k": eval_gsm8k, "mmlu": eval_mmlu, "truthfulqa": eval_truthfulqa}[task](model, tok, args)
         results[task] = res
         samples += smp
@@ -343,7 +343,7 @@ def write_eval(folder, results, samples):
 def write_table(root):
     runs = collect_runs(root)
     if not runs:
-        raise SystemExit(f"no eval.json under {root}; run `python evaluate.py base ...` first")
+        raise M.InputError(f"no eval.json under {root}; run `python evaluate.py base ...` first")
     text = results_markdown(runs)
     lora.write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
     return text
@@ -364,7 +364,7 @@ def main(argv=None):
         p.error("name 'base' and/or run folders to evaluate, or use --table ROOT")
     for run in args.runs:
         if run != "base" and not os.path.isfile(os.path.join(run, "adapter_config.json")):
-            raise SystemExit(f"{run} is not a run folder (no adapter_config.json); name a folder written by sft.py, rl.py or opd.py, or 'base'")
+            raise M.InputError(f"{run} is not a run folder (no adapter_config.json); name a folder written by sft.py, rl.py or opd.py, or 'base'")
         if run != "base":
             lora.check_base(run, args.model)
     print(vars(args))

@@ -388,9 +388,9 @@ class RunFolder:
         self.log_path = os.path.join(folder, "log.jsonl")
         has_checkpoint = os.path.isdir(self.ckpt) or os.path.isdir(self.ckpt + ".old")
         if not resume and has_checkpoint:
-            raise SystemExit(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
+            raise InputError(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
         if resume and not has_checkpoint:
-            raise SystemExit(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
+            raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
         os.makedirs(folder, exist_ok=True)
         if not resume and os.path.isfile(self.log_path):  # a run that died before its first checkpoint
             os.remove(self.log_path)

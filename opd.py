@@ -61,15 +61,15 @@ def load_teacher(model, args):
         lora.check_base(args.teacher, args.model)
         try:
             lora.load_adapter(model, args.teacher, name="teacher", activate=False)
-        except ValueError as e:
-            raise SystemExit(f"teacher {args.teacher}: {e}") from None
+        except M.InputError as e:
+            raise M.InputError(f"teacher {args.teacher}: {e}") from None
         return model, "teacher"
     if os.path.normpath(args.teacher) == os.path.normpath(args.model):
         return model, None
     if os.path.isdir(args.teacher) and not os.path.isfile(os.path.join(args.teacher, "config.json")):
-        raise SystemExit(f"teacher {args.teacher} is neither a run folder (adapter_config.json) nor a model folder (config.json)")
+        raise M.InputError(f"teacher {args.teacher} is neither a run folder (adapter_config.json) nor a model folder (config.json)")
     if not os.path.isdir(args.teacher) and args.teacher.count("/") != 1:
-        raise SystemExit(f"teacher {args.teacher} does not exist; pass a run folder such as out/stress or a model id")
+        raise M.InputError(f"teacher {args.teacher} does not exist; pass a run folder such as out/stress or a model id")
     teacher, _ = M.load(args.teacher, model.lm_head.weight.device, model.lm_head.weight.dtype)
     return teacher, None
 

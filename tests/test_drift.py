@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import drift
+import model as M
 from conftest import ROOT
 
 
@@ -160,5 +161,5 @@ def test_drift_cli_names_bad_arguments(capsys):
         drift.main(["out/stress", "--prompts", "1"])
     assert e.value.code == 2
     assert "argument --prompts: must be at least 2, got 1: MMD^2 compares states of different prompts" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="a file name ending in .json"):
+    with pytest.raises(M.InputError, match="a file name ending in .json"):
         drift.main(["out/stress", "--save-as", "out/d.json"])

@@ -214,7 +214,7 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     main, extra = MAINS[script], short_run(script, tiny_model)
     main(common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 4, "--save-every", 2))
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 2, "--save-every", 2))
-    with pytest.raises(SystemExit, match="already holds a trained run"):
+    with pytest.raises(M.InputError, match="already holds a trained run"):
         main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4))
     capsys.readouterr()
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4, "--save-every", 2, "--resume"))
