@@ -41,6 +41,25 @@ def test_choice_scores_equal_brute_force_transformers(tiny_model, data_dir):
         assert max(range(len(opts)), key=scores.__getitem__) == max(range(len(opts)), key=expected.__getitem__)
 
 
+def test_one_token_choices_are_scored_from_the_last_state_alone(tiny_model, data_dir, monkeypatch):
+    from transformers import Qwen3ForCausalLM
+    ours, tok = M.load(tiny_model)
+    ref = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
+    dev, test = data.load_mmlu("dev", data_dir), data.load_mmlu("test", data_dir)
+    rows = [test["astronomy"][0], test["anatomy"][3], test["virology"][1]]
+    contexts = [data.mmlu_prompt(r, dev[r["subject"]][:1]) for r in rows]
+    # one token each under the test tokenizer, as ' A'..' D' are under Qwen3's (here ' B' is two)
+    choices = [[" the", " and", " of", " to"]] * len(rows)
+    assert all(len(tok.encode(c + o)) == len(tok.encode(c)) + 1 for c, opts in zip(contexts, choices) for o in opts)
+
+    def no_cache(*args):
+        raise AssertionError("one-token continuations need no KV cache")
+    monkeypatch.setattr(ours, "new_cache", no_cache)
+    got = E.score_choices(ours, tok, contexts, choices, batch_size=3)
+    for ctx, opts, scores in zip(contexts, choices, got):
+        assert max(abs(s - brute_force(ref, tok, ctx, o)) for s, o in zip(scores, opts)) < 1e-4
+
+
 def test_mc2_score():
     import math
     lls = [math.log(0.2), math.log(0.1), math.log(0.1)]
