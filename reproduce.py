@@ -134,6 +134,9 @@ def main(argv=None):
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
     os.makedirs(out, exist_ok=True)
     print(vars(args))
+    if args.preset == "paper" and M.resolve_device(args.device)[0].type == "cpu":
+        print("note: the paper preset on a CPU takes days (2 to 4 hours is the estimate for one GPU); "
+              "--preset toy runs the whole study at CPU scale in about 25 minutes")
     if preset["model"] == "toy":  # the world is the dataset: build (or reuse) it and its pretrained base
         toy_args = argparse.ArgumentParser()
         toy.add_toy_args(toy_args)
