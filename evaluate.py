@@ -381,7 +381,7 @@ def main(argv=None):
         if run != "base" and not os.path.isfile(os.path.join(run, "adapter_config.json")):
             raise M.InputError(f"{run} is not a run folder (no adapter_config.json); name a folder written by sft.py, rl.py or opd.py, or 'base'")
         if run != "base":
-            lora.check_base(run, args.model)
+            lora.check_same_base(run, args.model)
     print(vars(args))
     model, tok = M.load(args.model, args.device, args.dtype)
     for run in args.runs:

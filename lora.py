@@ -356,7 +356,7 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
 
 
-def check_base(folder, model):
+def check_same_base(folder, model):
     """Stop when the run in folder was trained on another base model than model (the --model
     given now): its adapter on another base of the same shapes would load without a word and
     give numbers that mean nothing. A folder without run.json (a peft adapter) is not checked."""
