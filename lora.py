@@ -369,6 +369,18 @@ def check_same_base(folder, model):
         raise InputError(f"{folder} was trained on base {trained_on}, but --model is {model}; pass --model {trained_on}")
 
 
+def changed_settings(folder, args, ignore=("resume",)):
+    """'--flag old -> new' for each setting in args (an argparse namespace) whose value
+    differs from the one the run in folder recorded in its run.json; [] without one."""
+    path = os.path.join(folder, "run.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        before = json.load(f)
+    return [f"--{k.replace('_', '-')} {before[k]} -> {v}" for k, v in vars(args).items()
+            if k not in ignore and k in before and before[k] != v]
+
+
 def run_finished(folder):
     path = os.path.join(folder, "run.json")
     if not os.path.isfile(path):
@@ -394,17 +406,12 @@ class RunFolder:
         os.makedirs(folder, exist_ok=True)
         if not resume and os.path.isfile(self.log_path):  # a run that died before its first checkpoint
             os.remove(self.log_path)
-        run_json = os.path.join(folder, "run.json")
-        if resume and os.path.isfile(run_json):
-            # a resumed run may change settings on purpose (--recompute, --grad-accum, --max-steps),
-            # but a changed --lr or --preset should not pass unseen
-            with open(run_json) as f:
-                before = json.load(f)
-            changed = [f"--{k.replace('_', '-')} {before[k]} -> {v}" for k, v in vars(args).items()
-                       if k != "resume" and k in before and before[k] != v]
-            if changed:
-                print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
-        write_json(run_json, {**vars(args), "git_commit": git_commit()})
+        # a resumed run may change settings on purpose (--recompute, --grad-accum, --max-steps),
+        # but a changed --lr or --preset should not pass unseen
+        changed = changed_settings(folder, args) if resume else []
+        if changed:
+            print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
+        write_json(os.path.join(folder, "run.json"), {**vars(args), "git_commit": git_commit()})
 
     def resume(self, model, optimizer, name="default"):
         """Load the last checkpoint into model and optimizer; returns the step to start at."""

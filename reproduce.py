@@ -32,6 +32,9 @@ import sft
 import toy
 
 SCRIPTS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
+PARSERS = {"sft": sft.parse_args, "rl": rl.parse_args, "opd": opd.parse_args}
+# flags that say where a run lives or how it was computed, not what it learned
+NOT_SETTINGS = ("resume", "out", "model", "data_dir", "device", "dtype", "recompute", "grad_accum", "save_every")
 
 
 def runs_of(out, seed=0):
@@ -162,7 +165,12 @@ def main(argv=None):
         variant = f"{script}-{extra[1]}" if script == "sft" else script  # sft-mild, sft-stress
         argv = [*extra, "--out", folder, *common, *device, *preset["train"].get(script, []),
                 *preset["train"].get(variant, []), *resume]
-        stages.run(f"train {name}", lora.run_finished(folder), lambda: SCRIPTS[script](argv))
+        finished = lora.run_finished(folder)
+        changed = lora.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS) if finished else []
+        if changed:  # a finished run of other settings would stand in the table for this preset's
+            raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
+                               f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
+        stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
         stages.run(f"evaluate {name}", os.path.isfile(os.path.join(folder, "eval.json")),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
     missing = [os.path.join(out, n) for n in runs if not drift.current(os.path.join(out, n))]

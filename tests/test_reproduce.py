@@ -41,3 +41,11 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     for run in ("rl", "stress"):
         assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt"
     assert "delete a run folder" not in third.stdout
+
+    # a finished run whose settings are not the preset's (here: trained before a change of --lr)
+    settings = json.loads((out / "rl" / "run.json").read_text())
+    (out / "rl" / "run.json").write_text(json.dumps({**settings, "lr": 0.5}))
+    fourth = subprocess.run(cmd, capture_output=True, text=True)
+    lines = fourth.stderr.strip().splitlines()
+    assert fourth.returncode == 1 and len(lines) == 1, fourth.stderr[-3000:]
+    assert f"rl was trained with other settings than the smoke preset's now (--lr 0.5 -> {settings['lr']}); delete" in lines[0]
