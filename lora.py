@@ -359,13 +359,27 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
 def check_same_base(folder, model):
     """Stop when the run in folder was trained on another base model than model (the --model
     given now): its adapter on another base of the same shapes would load without a word and
-    give numbers that mean nothing. A folder without run.json (a peft adapter) is not checked."""
+    give numbers that mean nothing. Two folders are compared by where they resolve, two hub
+    ids by name. A folder named in run.json that is gone (a study folder moved since), or a
+    folder against a hub id, cannot be told apart: a note, not a stop. A folder without
+    run.json (a peft adapter) is not checked."""
     path = os.path.join(folder, "run.json")
     if not os.path.isfile(path):
         return
     with open(path) as f:
         trained_on = json.load(f).get("model")
-    if trained_on and os.path.normpath(trained_on) != os.path.normpath(model):
+    if not trained_on:
+        return
+    local = os.path.isdir(trained_on), os.path.isdir(model)
+    if local == (True, True):
+        same = os.path.realpath(trained_on) == os.path.realpath(model)
+    elif local == (False, False) and not os.path.isabs(trained_on) and trained_on.count("/") == 1:
+        same = trained_on == model  # two hub ids
+    else:
+        print(f"note: {folder} was trained on base {trained_on}, which cannot be compared with --model {model} "
+              f"here; make sure they are the same model")
+        return
+    if not same:
         raise InputError(f"{folder} was trained on base {trained_on}, but --model is {model}; pass --model {trained_on}")
 
 

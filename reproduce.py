@@ -167,6 +167,8 @@ def main(argv=None):
                 *preset["train"].get(variant, []), *resume]
         finished = lora.run_finished(folder)
         changed = lora.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS) if finished else []
+        if finished:
+            lora.check_same_base(folder, model)
         if changed:  # a finished run of other settings would stand in the table for this preset's
             raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
                                f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")

@@ -109,7 +109,7 @@ def test_drift_against_forgetting_correlations():
             f"paper's Table 2, 5 runs: 0.20 and -0.08). Over the 6 single runs, each seed apart:") in table
 
 
-def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path):
+def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path, capsys):
     """Two bases of the same shapes: the adapter would load on either without a word."""
     m, _ = M.load(tiny_models["tied"])
     lora.add_lora(m, rank=2, alpha=4)
@@ -119,6 +119,17 @@ def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path)
     for main in (E.main, drift.main):
         with pytest.raises(M.InputError, match="stress was trained on base .*untied, but --model is .*tied; pass --model"):
             main([str(run), "--model", tiny_models["tied"], "--data-dir", str(data_dir), "--out", str(tmp_path)])
+
+    def trained_on(model):
+        (run / "run.json").write_text(json.dumps({"model": model}))
+        return str(run)
+    lora.check_same_base(trained_on(tiny_models["tied"] + "/."), tiny_models["tied"])  # one folder, two spellings
+    lora.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-0.6B-Base")
+    with pytest.raises(M.InputError, match="trained on base Qwen/Qwen3-0.6B-Base, but --model is Qwen/Qwen3-1.7B-Base"):
+        lora.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-1.7B-Base")
+    capsys.readouterr()
+    lora.check_same_base(trained_on(str(tmp_path / "moved" / "base-model")), tiny_models["tied"])  # a study moved since
+    assert "cannot be compared with --model" in capsys.readouterr().out
 
 
 def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
