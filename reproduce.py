@@ -166,12 +166,12 @@ def main(argv=None):
         argv = [*extra, "--out", folder, *common, *device, *preset["train"].get(script, []),
                 *preset["train"].get(variant, []), *resume]
         finished = lora.run_finished(folder)
-        changed = lora.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS) if finished else []
-        if finished:
+        if finished:  # it stands in the table for this preset's run only if it is one
             lora.check_same_base(folder, model)
-        if changed:  # a finished run of other settings would stand in the table for this preset's
-            raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
-                               f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
+            changed = lora.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS)
+            if changed:
+                raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
+                                   f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
         stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
         stages.run(f"evaluate {name}", os.path.isfile(os.path.join(folder, "eval.json")),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
