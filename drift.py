@@ -255,9 +255,7 @@ def main(argv=None):
     if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
         raise M.InputError(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
     for run in args.runs:
-        if not os.path.isfile(os.path.join(run, "adapter_config.json")):
-            raise M.InputError(f"{run} is not a run folder (no adapter_config.json); name folders written by sft.py, rl.py or opd.py")
-        lora.check_same_base(run, args.model)
+        lora.check_run_folder(run, args.model)
     print(vars(args))
     model, tok = M.load(args.model, args.device, args.dtype)
     prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("test", args.data_dir)[:args.prompts]]

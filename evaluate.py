@@ -283,6 +283,12 @@ def drift_vs_forgetting(rows):
                 pearson=statistics.correlation(mmd, forgetting))
 
 
+def drift_forgetting_correlations(single_rows):
+    """drift_vs_forgetting over the conditions (seeds merged, group_seeds) and over the
+    single runs, each seed apart: what results.md prints under its table and results.json keeps."""
+    return dict(conditions=drift_vs_forgetting(group_seeds(single_rows)), runs=drift_vs_forgetting(single_rows))
+
+
 def fmt(x, spec=".3f", std=None):
     if x is None:
         return "-"
@@ -298,20 +304,21 @@ def results_markdown(runs):
              "over TruthfulQA and MMLU. state_nll: mean NLL of the states each run trained on.", "",
              "| run | " + " | ".join(c[1] for c in cols) + " | state_nll |",
              "|---" * (len(cols) + 2) + "|"]
-    rows = group_seeds(table_rows(runs))
+    single_rows = table_rows(runs)
+    rows = group_seeds(single_rows)
     if any(r["seeds"] > 1 for r in rows):
         lines[0] += f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once)."
     for row in rows:
         paper = PAPER.get(row["run"], {})
         cells = [f"{fmt(row[k], d, row[k + '_std'])} / {fmt(paper.get(k), d)}" for k, _, d in cols]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + f" | {fmt(row['state_nll'], '.3f', row['state_nll_std'])} |")
-    ours = drift_vs_forgetting(rows)
+    correlations = drift_forgetting_correlations(single_rows)
+    ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?
         paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()])
         lines += ["", f"MMD against forgetting (P4) over the {ours['n']} post-trained conditions: Spearman's rank "
                       f"correlation {ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (the paper's Table 2, "
                       f"{paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f})."]
-        single = drift_vs_forgetting(table_rows(runs))
         if any(r["seeds"] > 1 for r in rows) and single:
             lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
                           f"{single['pearson']:.2f}.")
@@ -378,10 +385,8 @@ def main(argv=None):
     if not args.runs:
         p.error("name 'base' and/or run folders to evaluate, or use --table ROOT")
     for run in args.runs:
-        if run != "base" and not os.path.isfile(os.path.join(run, "adapter_config.json")):
-            raise M.InputError(f"{run} is not a run folder (no adapter_config.json); name a folder written by sft.py, rl.py or opd.py, or 'base'")
         if run != "base":
-            lora.check_same_base(run, args.model)
+            lora.check_run_folder(run, args.model, also=", or 'base'")
     print(vars(args))
     model, tok = M.load(args.model, args.device, args.dtype)
     for run in args.runs:

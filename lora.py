@@ -356,6 +356,15 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
 
 
+def check_run_folder(folder, model, also=""):
+    """Stop unless folder holds a run's adapter trained on the base model (check_same_base);
+    also names what else the caller accepts in place of a run folder."""
+    if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+        raise InputError(f"{folder} is not a run folder (no adapter_config.json); name a folder written by sft.py, "
+                         f"rl.py or opd.py{also}")
+    check_same_base(folder, model)
+
+
 def check_same_base(folder, model):
     """Stop when the run in folder was trained on another base model than model (the --model
     given now): its adapter on another base of the same shapes would load without a word and
