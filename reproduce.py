@@ -180,10 +180,8 @@ def main(argv=None):
 
     table = evaluate.write_table(out)
     rows = evaluate.table_rows(evaluate.collect_runs(out))
-    drift_vs_forgetting = dict(conditions=evaluate.drift_vs_forgetting(evaluate.group_seeds(rows)),
-                               runs=evaluate.drift_vs_forgetting(rows))  # P4; runs: each seed apart
     lora.write_json(os.path.join(out, "results.json"), dict(preset=args.preset, model=model, rows=rows,
-                                                           drift_vs_forgetting=drift_vs_forgetting,
+                                                           drift_vs_forgetting=evaluate.drift_forgetting_correlations(rows),
                                                            paper=evaluate.PAPER, timings=stages.timings))
     plot(out, rows)
     print(table)
