@@ -271,7 +271,8 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
         raise FileNotFoundError(f"{folder}: no adapter_config.json + adapter_model.safetensors; is this a run folder?")
-    if os.path.isfile(os.path.join(folder, "run.json")) and not run_finished(folder):
+    run = read_run_json(folder)
+    if run is not None and "finished_steps" not in run:
         # a teacher or an evaluation taken from a run that is still training, or that stopped, is rarely meant
         print(f"note: the run in {folder} has not finished (still training, or stopped); using its last saved adapter")
     with open(config_path) as f:
@@ -372,11 +373,7 @@ def check_same_base(folder, model):
     ids by name. A folder named in run.json that is gone (a study folder moved since), or a
     folder against a hub id, cannot be told apart: a note, not a stop. A folder without
     run.json (a peft adapter) is not checked."""
-    path = os.path.join(folder, "run.json")
-    if not os.path.isfile(path):
-        return
-    with open(path) as f:
-        trained_on = json.load(f).get("model")
+    trained_on = (read_run_json(folder) or {}).get("model")
     if not trained_on:
         return
     local = os.path.isdir(trained_on), os.path.isdir(model)
@@ -395,21 +392,22 @@ def check_same_base(folder, model):
 def changed_settings(folder, args, ignore=("resume",)):
     """'--flag old -> new' for each setting in args (an argparse namespace) whose value
     differs from the one the run in folder recorded in its run.json; [] without one."""
-    path = os.path.join(folder, "run.json")
-    if not os.path.isfile(path):
-        return []
-    with open(path) as f:
-        before = json.load(f)
+    before = read_run_json(folder) or {}
     return [f"--{k.replace('_', '-')} {before[k]} -> {v}" for k, v in vars(args).items()
             if k not in ignore and k in before and before[k] != v]
 
 
-def run_finished(folder):
+def read_run_json(folder):
+    """The run's recorded arguments (run.json), or None for a folder without one."""
     path = os.path.join(folder, "run.json")
     if not os.path.isfile(path):
-        return False
+        return None
     with open(path) as f:
-        return "finished_steps" in json.load(f)
+        return json.load(f)
+
+
+def run_finished(folder):
+    return "finished_steps" in (read_run_json(folder) or {})
 
 
 class RunFolder:
@@ -467,10 +465,7 @@ class RunFolder:
 
     def finish(self, step):
         """Mark the run complete in run.json; reproduce.py skips finished runs."""
-        path = os.path.join(self.folder, "run.json")
-        with open(path) as f:
-            info = json.load(f)
-        write_json(path, {**info, "finished_steps": step})
+        write_json(os.path.join(self.folder, "run.json"), {**read_run_json(self.folder), "finished_steps": step})
 
     def log(self, record):
         with open(self.log_path, "a") as f:
