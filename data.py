@@ -246,6 +246,15 @@ def gsm8k_prompt(question, shots=()):
 GSM8K_STOP = ("Question:", "\n\nQuestion")
 
 
+def gsm8k_gold_ids(tokenizer, row):
+    """(prompt ids, answer ids) of a GSM8K row's gold trajectory: the prompt, then ' ' + the
+    reference solution + end-of-text, as SFT learns it. The answer is cut from the encoding
+    of the whole text, so its first token is the one the tokenizer gives in context."""
+    prompt = gsm8k_prompt(row["question"])
+    prompt_ids = tokenizer.encode(prompt)
+    return prompt_ids, tokenizer.encode(prompt + " " + row["answer"])[len(prompt_ids):] + [tokenizer.eos_id]
+
+
 def mmlu_question(row):
     lines = [row["question"].strip()] + [f"{letter}. {c}" for letter, c in zip("ABCD", row["choices"])]
     return "\n".join(lines) + "\nAnswer:"

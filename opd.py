@@ -3,6 +3,12 @@ On-policy distillation (OPD): the student's states, the teacher's signal.
 
 State source:  the student's own rollouts, d^{pi_S}: each step the student (base + its
                adapter) samples one completion per GSM8K train prompt with sample.generate.
+  --state-source teacher: the teacher samples them instead, d^{pi_T}: offline (sequence-
+               level) distillation, whose states do not depend on the learner, as SFT's do not.
+  --state-source data: GSM8K's gold solutions, d_data, SFT's states.
+               Only where the states come from changes; the signal and everything else
+               stay, so a run against the default isolates the state source (the paper's
+               thesis) from the loss.
 Signal source: the teacher, queried at those student states.
   --signal continuation (default, the paper's working variant, DAgger-like): at --cuts
                points t of each student rollout the teacher greedily continues the
@@ -18,6 +24,7 @@ teacher shares the student's frozen base weights in memory: only the active adap
 
     python opd.py --teacher out/stress              # -> out/opd-stress
     python opd.py --teacher out/mild --signal logits --out out/opd-logits-mild
+    python opd.py --teacher out/stress --state-source teacher --out out/kd-stress
 """
 import argparse
 import itertools
@@ -42,15 +49,19 @@ def parse_args(argv):
     p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>)")
     p.add_argument("--signal", choices=["continuation", "logits"], default="continuation", help="what the teacher supplies")
     p.add_argument("--kl", choices=["reverse", "forward"], default="reverse", help="KL direction for --signal logits")
+    p.add_argument("--state-source", choices=["student", "teacher", "data"], default="student",
+                   help="whose trajectories the states are: the student's rollouts (OPD), the teacher's (offline "
+                        "distillation) or GSM8K's gold solutions")
     p.add_argument("--steps", type=M.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
-    p.add_argument("--prompts-per-step", type=M.number(int, 1), default=8, help="student rollouts per step (one per prompt)")
-    p.add_argument("--temperature", type=M.number(float, 0), default=1.0, help="student sampling temperature")
-    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest student rollout")
+    p.add_argument("--prompts-per-step", type=M.number(int, 1), default=8, help="prompts per step (one trajectory each)")
+    p.add_argument("--temperature", type=M.number(float, 0), default=1.0, help="sampling temperature of the state trajectories")
+    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest state trajectory (gold solutions are cut there)")
     p.add_argument("--cuts", type=M.number(int, 1), default=4, help="cut points per rollout where the teacher continues")
     p.add_argument("--continuation-tokens", type=M.number(int, 1), default=32, help="longest teacher continuation")
     lora.add_training_args(p, lr=1e-4, rank=16, alpha=32)
     args = p.parse_args(argv)
-    args.out = args.out or f"out/opd-{os.path.basename(os.path.normpath(args.teacher))}"
+    source = "" if args.state_source == "student" else f"-{args.state_source}-states"
+    args.out = args.out or f"out/opd-{os.path.basename(os.path.normpath(args.teacher))}{source}"
     return args
 
 
@@ -109,24 +120,38 @@ def main(argv=None):
         torch.manual_seed(args.seed * 1_000_003 + step)
         batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
 
-        # the state source: the student samples its own trajectories
+        # the state source: the student samples its own trajectories (or the teacher does, or
+        # the dataset supplies them)
         model.eval()
-        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
-        sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
-        starts = [len(r.prompt_ids) for r in rollouts]
+        if args.state_source == "data":
+            gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
+            sequences = [p + a[:args.max_new_tokens] for p, a in gold]
+            starts = [len(p) for p, _ in gold]
+            texts = [r["answer"] for r in batch]
+        else:
+            sampler, adapter = (model, "default") if args.state_source == "student" else (teacher, teacher_adapter)
+            with lora.use_adapter(sampler, adapter):
+                sampler.eval()
+                rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
+                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
+            sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
+            starts = [len(r.prompt_ids) for r in rollouts]
+            texts = [r.text for r in rollouts]
         teacher_h = teacher_states(sequences, starts)  # once a step: the logged KL and, for --signal logits, the loss
-        with torch.no_grad(), M.autocast(device):  # teacher-student KL on the student's states, logged for both signals
-            student_h = M.sequence_states(model, sequences, starts, tok.pad_id)[0]
+        with torch.no_grad(), M.autocast(device):  # teacher-student KL on the states, logged for both signals
+            student_h, targets, _ = M.sequence_states(model, sequences, starts, tok.pad_id)
             state_kl = model.token_kl(student_h, teacher_h, args.kl).mean().item()
+            # on the student's own rollouts this is the sampler's log-prob of its tokens; on the
+            # teacher's or the dataset's it says how far from the learner those states lie
+            state_nll = -model.token_logprobs(student_h, targets).mean().item()
 
         model.train()
         if args.signal == "continuation":
             rng = random.Random(args.seed * 1_000_003 + step)
-            prefixes = [r.prompt_ids + r.completion_ids[:t] for r in rollouts
-                        for t in sorted(rng.sample(range(len(r.completion_ids)), min(args.cuts, len(r.completion_ids))))]
-            with lora.use_adapter(teacher, teacher_adapter):  # the signal: teacher continues the student's prefix
+            prefixes = [seq[:start + t] for seq, start in zip(sequences, starts)
+                        for t in sorted(rng.sample(range(len(seq) - start), min(args.cuts, len(seq) - start)))]
+            with lora.use_adapter(teacher, teacher_adapter):  # the signal: teacher continues each state's prefix
                 teacher.eval()
                 conts = generate(teacher, tok, prefixes, max_new_tokens=args.continuation_tokens, temperature=0)
             model.train()
@@ -152,10 +177,9 @@ def main(argv=None):
         run.check_finite(step + 1, loss_sum)
         lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
 
-        state_nll = -statistics.mean(lp for r in rollouts for lp in r.logprobs)
-        rewards = [float(data.is_correct(r.text, row["gold"])) for r, row in zip(rollouts, batch)]
+        rewards = [float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch)]
         run.log(dict(step=step + 1, loss=loss_sum, state_kl=state_kl, state_nll=state_nll, reward=statistics.mean(rewards),
-                     completion_len=statistics.mean(len(r.completion_ids) for r in rollouts), lr=lr,
+                     completion_len=statistics.mean(len(q) - st for q, st in zip(sequences, starts)), lr=lr,
                      grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0))
         bar.set_postfix(loss=f"{loss_sum:.4f}", kl=f"{state_kl:.4f}")
         if (step + 1) % args.save_every == 0 or step + 1 == end:

@@ -2,7 +2,9 @@
 The whole study in one command: the base evaluation, mild and stress SFT, OPD from each
 SFT teacher, one-step logit-KL OPD, on-policy RL; evaluation and rollout-state drift of
 every run; then results.md / results.json in the paper's Table 2 layout with the paper's
-numbers beside ours.
+numbers beside ours. One condition goes beyond the paper: kd-stress, OPD from the stress
+teacher with the teacher's own rollouts as states (offline distillation), so that
+opd-stress and kd-stress differ in the state source alone.
 
     python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py), offline
     python reproduce.py --preset toy --seeds 3
@@ -38,7 +40,8 @@ NOT_SETTINGS = ("resume", "out", "model", "data_dir", "device", "dtype", "recomp
 
 
 def runs_of(out, seed=0):
-    """name -> (script, arguments): the six post-training conditions of the paper. Seed 0
+    """name -> (script, arguments): the six post-training conditions of the paper and
+    kd-stress (opd-stress on the teacher's states instead of the student's). Seed 0
     writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD teachers too)."""
     tag = f"-seed{seed}" if seed else ""
     runs = {
@@ -46,6 +49,7 @@ def runs_of(out, seed=0):
         "stress": ("sft", ["--preset", "stress"]),
         "opd-mild": ("opd", ["--teacher", os.path.join(out, "mild" + tag)]),
         "opd-stress": ("opd", ["--teacher", os.path.join(out, "stress" + tag)]),
+        "kd-stress": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--state-source", "teacher"]),
         "opd-logits": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--signal", "logits"]),
         "rl": ("rl", []),
     }

@@ -71,9 +71,7 @@ def main(argv=None):
     rows = rows[:args.train_limit] if args.train_limit > 0 else rows
     examples = []
     for r in rows:
-        prompt = data.gsm8k_prompt(r["question"])
-        prompt_ids = tok.encode(prompt)
-        answer_ids = tok.encode(prompt + " " + r["answer"])[len(prompt_ids):] + [tok.eos_id]
+        prompt_ids, answer_ids = data.gsm8k_gold_ids(tok, r)
         examples.append(((prompt_ids + answer_ids)[:args.max_length], len(prompt_ids)))
     kept = [e for e in examples if e[1] < len(e[0])]  # a prompt longer than max-length leaves nothing to learn
     if not kept:

@@ -5,7 +5,7 @@ import sys
 
 from conftest import ROOT
 
-RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "opd-logits", "rl"]
+RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "rl"]
 
 
 def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
@@ -23,6 +23,10 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     for run in RUNS[1:]:
         assert json.loads((out / run / "drift.json").read_text())["n_states_run"] > 0
         assert "retention" in json.loads((out / run / "eval.json").read_text())
+    # kd-stress is opd-stress with the teacher's states: the two runs' settings differ in that alone
+    kd, opd = (json.loads((out / run / "run.json").read_text()) for run in ("kd-stress", "opd-stress"))
+    assert {k for k in kd if kd[k] != opd.get(k)} - {"out"} == {"state_source"}
+    assert kd["state_source"] == "teacher" and kd["teacher"] == opd["teacher"] == str(out / "stress")
     stamp = (out / "stress" / "adapter_model.safetensors").stat().st_mtime_ns
 
     second = subprocess.run(cmd, capture_output=True, text=True)

@@ -201,6 +201,68 @@ def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_pat
         assert any(s[:len(prefix)] == prefix for s in states) and seq[len(prefix):] == cont.completion_ids
 
 
+
+def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, data_dir, tmp_path, monkeypatch):
+    sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 4, "--max-steps", 2,
+                    "--lr", 1e-2))
+    calls = []  # (active adapter, prompts, rollouts) of every generate call opd makes
+    real_generate = opd.generate
+
+    def record_generate(model, tok, prompts, *a, **k):
+        out = real_generate(model, tok, prompts, *a, **k)
+        calls.append((next(l.active for l in lora.lora_layers(model).values()), prompts, out))
+        return out
+
+    monkeypatch.setattr(opd, "generate", record_generate)
+    trained = []
+    real_logprobs = M.sequence_logprobs
+    monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
+        trained.append(seqs) if torch.is_grad_enabled() else None) or real_logprobs(m, seqs, st, pad_id))
+
+    def run(source):
+        calls.clear(), trained.clear()
+        out = tmp_path / source
+        opd.main(common(tiny_model, data_dir, out, "--teacher", tmp_path / "sft", "--state-source", source,
+                        "--prompts-per-step", 2, "--max-new-tokens", 6, "--continuation-tokens", 4, "--max-steps", 1))
+        return read_log(out)[0]
+
+    def check_trained_on(states):
+        (seqs,) = trained
+        conts = calls[-1][2]  # the teacher's continuations, the signal
+        for seq, cont in zip(seqs, conts):
+            prefix = seq[:len(seq) - len(cont.completion_ids)]
+            assert any(s[:len(prefix)] == prefix for s in states)
+            assert seq[len(prefix):] == cont.completion_ids
+
+    # the student's rollouts: sampled with the student adapter; the logged state NLL is the
+    # sampler's own log-probs of those tokens
+    log = run("student")
+    assert [c[0] for c in calls] == ["default", "teacher"]
+    rollouts = calls[0][2]
+    check_trained_on([r.prompt_ids + r.completion_ids for r in rollouts])
+    sampled_nll = -sum(lp for r in rollouts for lp in r.logprobs) / sum(len(r.logprobs) for r in rollouts)
+    assert abs(log["state_nll"] - sampled_nll) < 1e-4
+
+    # the teacher's rollouts: the states are sampled with the teacher adapter too
+    log = run("teacher")
+    assert [c[0] for c in calls] == ["teacher", "teacher"]
+    rollouts = calls[0][2]
+    check_trained_on([r.prompt_ids + r.completion_ids for r in rollouts])
+    assert log["completion_len"] == sum(len(r.completion_ids) for r in rollouts) / 2
+
+    # the dataset's gold solutions: nothing is sampled but the teacher's continuations, and the
+    # states are prefixes of the batch's gold trajectories (cut at --max-new-tokens)
+    log = run("data")
+    assert [c[0] for c in calls] == ["teacher"]
+    _, tok = M.load(tiny_model)
+    rows = data.load_gsm8k("train", data_dir)
+    batch = [rows[i] for i in data.batch_indices(len(rows), 0, 2, 0)]
+    gold = [p + a[:6] for p, a in (data.gsm8k_gold_ids(tok, r) for r in batch)]
+    check_trained_on(gold)
+    assert all(any(g[:len(p)] == p for g in gold) for p in calls[0][1])
+    assert log["reward"] == 1.0 and log["completion_len"] == 6
+
+
 def short_run(script, tiny_model):
     """Flags for a four-step run of script that trains visibly (LoRA dropout on in sft)."""
     return {"sft": ["--train-limit", 12, "--batch-size", 4, "--lora-dropout", 0.1, "--epochs", 2],
