@@ -4,20 +4,19 @@ On-policy distillation (OPD): the student's states, the teacher's signal.
 State source:  the student's own rollouts, d^{pi_S}: each step the student (base + its
                adapter) samples one completion per GSM8K train prompt with sample.generate.
   --state-source teacher: the teacher samples them instead, d^{pi_T}: offline (sequence-
-               level) distillation, whose states do not depend on the learner, as SFT's do not.
-  --state-source data: GSM8K's gold solutions, d_data, SFT's states.
-               Only where the states come from changes; the signal and everything else
-               stay, so a run against the default isolates the state source (the paper's
-               thesis) from the loss.
-Signal source: the teacher, queried at those student states.
+               level) distillation, whose states do not depend on the learner, as SFT's
+               do not. --state-source data: GSM8K's gold solutions, d_data, SFT's states.
+               Only the state source changes; the signal and everything else stay, so a
+               run against the default isolates the paper's variable from the loss.
+Signal source: the teacher, queried at those states.
   --signal continuation (default, the paper's working variant, DAgger-like): at --cuts
-               points t of each student rollout the teacher greedily continues the
-               student's prefix (x, y_<t) for up to --continuation-tokens tokens; the
-               student learns those teacher tokens with cross-entropy given its own prefix.
+               points t of each trajectory the teacher greedily continues the prefix
+               (x, y_<t) for up to --continuation-tokens tokens; the student learns those
+               teacher tokens with cross-entropy given that prefix.
   --signal logits: per-token KL between the teacher's and the student's next-token
-               distributions at every state of the student's rollout (--kl reverse, the
-               usual OPD objective, or forward), the one-step variant the paper saw
-               collapse (GSM8K 0.040, its section 6).
+               distributions at every state of the trajectory (--kl reverse, the usual
+               OPD objective, or forward), the one-step variant the paper saw collapse
+               (GSM8K 0.040, its section 6).
 
 A teacher is a run folder (the base model + that run's adapter) or a model id. A run-folder
 teacher shares the student's frozen base weights in memory: only the active adapter switches.
@@ -46,7 +45,7 @@ from sample import generate
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="run folder (base + its adapter) or a model id / folder")
-    p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>)")
+    p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>, + -teacher-states or -data-states for those state sources)")
     p.add_argument("--signal", choices=["continuation", "logits"], default="continuation", help="what the teacher supplies")
     p.add_argument("--kl", choices=["reverse", "forward"], default="reverse", help="KL direction for --signal logits")
     p.add_argument("--state-source", choices=["student", "teacher", "data"], default="student",
