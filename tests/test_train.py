@@ -219,11 +219,12 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
     monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
         trained.append(seqs) if torch.is_grad_enabled() else None) or real_logprobs(m, seqs, st, pad_id))
 
-    def run(source):
+    def run(source, *extra):
         calls.clear(), trained.clear()
-        out = tmp_path / source
+        out = tmp_path / (source + "".join(map(str, extra)))
         opd.main(common(tiny_model, data_dir, out, "--teacher", tmp_path / "sft", "--state-source", source,
-                        "--prompts-per-step", 2, "--max-new-tokens", 6, "--continuation-tokens", 4, "--max-steps", 1))
+                        "--prompts-per-step", 2, "--max-new-tokens", 6, "--continuation-tokens", 4, "--max-steps", 1,
+                        *extra))
         return read_log(out)[0]
 
     def check_trained_on(states):
@@ -261,6 +262,9 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
     check_trained_on(gold)
     assert all(any(g[:len(p)] == p for g in gold) for p in calls[0][1])
     assert log["reward"] == 1.0 and log["completion_len"] == 6
+    # with the teacher's logits as the signal nothing at all is sampled
+    log = run("data", "--signal", "logits")
+    assert calls == [] and log["loss"] > 0 and log["completion_len"] == 6
 
 
 def short_run(script, tiny_model):
