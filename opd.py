@@ -45,7 +45,8 @@ from sample import generate
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="run folder (base + its adapter) or a model id / folder")
-    p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>, + -teacher-states or -data-states for those state sources)")
+    p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>, + "
+                                               "-teacher-states or -data-states for those state sources)")
     p.add_argument("--signal", choices=["continuation", "logits"], default="continuation", help="what the teacher supplies")
     p.add_argument("--kl", choices=["reverse", "forward"], default="reverse", help="KL direction for --signal logits")
     p.add_argument("--state-source", choices=["student", "teacher", "data"], default="student",
@@ -126,7 +127,7 @@ def main(argv=None):
             gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
             sequences = [p + a[:args.max_new_tokens] for p, a in gold]
             starts = [len(p) for p, _ in gold]
-            texts = [r["answer"] for r in batch]
+            texts = [tok.decode(a[:args.max_new_tokens]) for _, a in gold]
         else:
             sampler, adapter = (model, "default") if args.state_source == "student" else (teacher, teacher_adapter)
             with lora.use_adapter(sampler, adapter):

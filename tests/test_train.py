@@ -261,7 +261,9 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
     gold = [p + a[:6] for p, a in (data.gsm8k_gold_ids(tok, r) for r in batch)]
     check_trained_on(gold)
     assert all(any(g[:len(p)] == p for g in gold) for p in calls[0][1])
-    assert log["reward"] == 1.0 and log["completion_len"] == 6
+    assert log["completion_len"] == 6  # the reward is that of the cut solutions, not of the whole ones
+    cut_texts = [tok.decode(data.gsm8k_gold_ids(tok, r)[1][:6]) for r in batch]
+    assert log["reward"] == sum(data.is_correct(t, r["gold"]) for t, r in zip(cut_texts, batch)) / 2 < 1
     # with the teacher's logits as the signal nothing at all is sampled
     log = run("data", "--signal", "logits")
     assert calls == [] and log["loss"] > 0 and log["completion_len"] == 6
