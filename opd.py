@@ -65,7 +65,7 @@ def parse_args(argv):
     return args
 
 
-def load_teacher(model, args):
+def load_teacher(model, tok, args):
     """Adapter 'teacher' on the shared base, or None when the teacher is the base itself.
     A different model id gets its own copy (it must share the tokenizer)."""
     if os.path.isdir(args.teacher) and os.path.isfile(os.path.join(args.teacher, "adapter_config.json")):
@@ -81,7 +81,11 @@ def load_teacher(model, args):
         raise M.InputError(f"teacher {args.teacher} is neither a run folder (adapter_config.json) nor a model folder (config.json)")
     if not os.path.isdir(args.teacher) and args.teacher.count("/") != 1:
         raise M.InputError(f"teacher {args.teacher} does not exist; pass a run folder such as out/stress or a model id")
-    teacher, _ = M.load(args.teacher, model.lm_head.weight.device, model.lm_head.weight.dtype)
+    teacher, teacher_tok = M.load(args.teacher, model.lm_head.weight.device, model.lm_head.weight.dtype)
+    if teacher_tok.tok.get_vocab() != tok.tok.get_vocab() or teacher_tok.eos_id != tok.eos_id:
+        # token ids pass between the two models both ways, so another vocabulary is a silent mix-up
+        raise M.InputError(f"teacher {args.teacher} has another tokenizer than --model {args.model}; "
+                           f"pick a teacher that shares the student's tokenizer (the same model family)")
     return teacher, None
 
 
@@ -100,7 +104,7 @@ def main(argv=None):
     print(vars(args))
     device, dtype = M.device_from_args(args)
     model, tok = M.load(args.model, device, dtype)
-    teacher, teacher_adapter = load_teacher(model, args)
+    teacher, teacher_adapter = load_teacher(model, tok, args)
     run = lora.RunFolder(args.out, args, args.resume)
     torch.manual_seed(args.seed)  # the initial LoRA A matrices
     lora.add_lora(model, args.rank, args.alpha, args.lora_dropout, name="default")  # the student

@@ -340,6 +340,18 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path):
         json.dump({"model": tiny_models["untied"]}, f)
     lines = run(other, tiny_models["tied"])
     assert len(lines) == 1 and f"pass --model {tiny_models['untied']}" in lines[0]
+    # a model folder as the teacher, of another tokenizer: the same shapes, so only the vocabulary tells
+    import shutil
+    retokenized = tmp_path / "retokenized"
+    shutil.copytree(tiny_models["tied"], retokenized)
+    M.train_tokenizer(["Question: how many apples?\nAnswer: 12 apples."] * 20, str(retokenized / "tokenizer.json"),
+                      vocab_size=300)
+    lines = run(retokenized, tiny_models["tied"])
+    assert len(lines) == 1 and "has another tokenizer than --model" in lines[0], lines
+    shutil.copytree(tiny_models["tied"], tmp_path / "copy")  # loaded on its own, and its tokenizer is the same
+    opd.main(common(tiny_models["tied"], data_dir, tmp_path / "same", "--teacher", tmp_path / "copy", "--max-steps", 1,
+                    "--prompts-per-step", 1, "--max-new-tokens", 4))
+    assert len(read_log(tmp_path / "same")) == 1
 
 
 def test_a_missing_model_or_data_folder_is_one_line_from_a_script(tiny_model, data_dir, tmp_path):
