@@ -129,6 +129,10 @@ def eval_gsm8k(model, tok, args):
 def eval_mmlu(model, tok, args):
     dev, test = data.load_mmlu("dev", args.data_dir), data.load_mmlu("test", args.data_dir)
     rows = data.mmlu_subset(test, args.mmlu_limit, seed=args.seed)
+    fewest, subject = min((len(dev.get(r["subject"], [])), r["subject"]) for r in rows)
+    if args.mmlu_shots > fewest:  # slicing would give that subject fewer shots than asked, silently
+        raise M.InputError(f"--mmlu-shots {args.mmlu_shots}: the dev split holds {fewest} examples of {subject}; "
+                           f"pass --mmlu-shots {fewest} or fewer")
     prompts = [data.mmlu_prompt(r, dev[r["subject"]][:args.mmlu_shots]) for r in rows]
     lls = score_choices(model, tok, prompts, [data.mmlu_continuations(r, args.mmlu_scoring) for r in rows],
                         args.batch_size, desc="mmlu")

@@ -1,3 +1,4 @@
+import argparse
 import json
 import os
 import subprocess
@@ -164,3 +165,12 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
 
     bad = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode != 0 and "is not a run folder" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_more_mmlu_shots_than_the_dev_split_holds_is_an_input_error(data_dir):
+    p = argparse.ArgumentParser()
+    E.add_eval_args(p)
+    args = p.parse_args(["--mmlu-limit", "8", "--mmlu-shots", "6"])
+    args.data_dir = data_dir
+    with pytest.raises(M.InputError, match=r"--mmlu-shots 6: the dev split holds 5 examples of \w+; pass --mmlu-shots 5"):
+        E.eval_mmlu(None, None, args)  # raised before any model is needed
