@@ -133,7 +133,7 @@ def eval_mmlu(model, tok, args):
     if args.mmlu_shots > fewest:  # slicing would give that subject fewer shots than asked, silently
         raise M.InputError(f"--mmlu-shots {args.mmlu_shots}: the dev split holds {fewest} examples of {subject}; "
                            f"pass --mmlu-shots {fewest} or fewer")
-    prompts = [data.mmlu_prompt(r, dev[r["subject"]][:args.mmlu_shots]) for r in rows]
+    prompts = [data.mmlu_prompt(r, dev.get(r["subject"], [])[:args.mmlu_shots]) for r in rows]
     lls = score_choices(model, tok, prompts, [data.mmlu_continuations(r, args.mmlu_scoring) for r in rows],
                         args.batch_size, desc="mmlu")
     samples = []

@@ -134,8 +134,7 @@ def main(argv=None):
             texts = [tok.decode(a[:args.max_new_tokens]) for _, a in gold]
         else:
             sampler, adapter = (model, "default") if args.state_source == "student" else (teacher, teacher_adapter)
-            with lora.use_adapter(sampler, adapter):
-                sampler.eval()
+            with lora.use_adapter(sampler, adapter):  # in eval mode: the model above, a separate teacher always
                 rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
                                     max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                     stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
