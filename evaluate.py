@@ -216,6 +216,8 @@ def collect_runs(root):
         folder = os.path.join(root, name)
         if os.path.isfile(os.path.join(folder, "eval.json")):
             runs[name] = {"eval": read_json(os.path.join(folder, "eval.json"))}
+            if os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+                runs[name]["update_norm"] = lora.update_norm(folder)
             if os.path.isfile(os.path.join(folder, "drift.json")):
                 runs[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
             log = os.path.join(folder, "log.jsonl")
@@ -237,11 +239,11 @@ def table_rows(runs):
         rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"), truthfulqa=e.get("truthfulqa", {}).get("mc1"),
                          mmlu=e.get("mmlu", {}).get("acc"), mmd=run.get("drift", {}).get("mmd2"),
                          forgetting=ret.get("forgetting"), retention=ret.get("retention"),
-                         state_nll=run.get("state_nll")))
+                         state_nll=run.get("state_nll"), update_norm=run.get("update_norm")))
     return rows
 
 
-METRICS = ("gsm8k", "truthfulqa", "mmlu", "mmd", "forgetting", "retention", "state_nll")
+METRICS = ("gsm8k", "truthfulqa", "mmlu", "mmd", "forgetting", "retention", "state_nll", "update_norm")
 
 
 def group_seeds(rows):
@@ -276,11 +278,13 @@ def ranks(values):
     return out
 
 
-def drift_vs_forgetting(rows):
+def drift_vs_forgetting(rows, measure="mmd"):
     """The paper's P4 as two numbers: Spearman's rank correlation and Pearson's correlation
-    between MMD^2 and forgetting over the rows that have both (the base has neither). None
-    for fewer than three such rows or a column without spread."""
-    pairs = [(r["mmd"], r["forgetting"]) for r in rows if r.get("mmd") is not None and r.get("forgetting") is not None]
+    between a drift measure (MMD^2 of the states, or the adapter's update_norm in weight
+    space) and forgetting over the rows that have both (the base has neither). None for
+    fewer than three such rows or a column without spread."""
+    pairs = [(r[measure], r["forgetting"]) for r in rows
+             if r.get(measure) is not None and r.get("forgetting") is not None]
     mmd, forgetting = [p[0] for p in pairs], [p[1] for p in pairs]
     if len(pairs) < 3 or len(set(mmd)) < 2 or len(set(forgetting)) < 2:
         return None
@@ -288,10 +292,11 @@ def drift_vs_forgetting(rows):
                 pearson=statistics.correlation(mmd, forgetting))
 
 
-def drift_forgetting_correlations(single_rows):
+def drift_forgetting_correlations(single_rows, measure="mmd"):
     """drift_vs_forgetting over the conditions (seeds merged, group_seeds) and over the
     single runs, each seed apart: what results.md prints under its table and results.json keeps."""
-    return dict(conditions=drift_vs_forgetting(group_seeds(single_rows)), runs=drift_vs_forgetting(single_rows))
+    return dict(conditions=drift_vs_forgetting(group_seeds(single_rows), measure),
+                runs=drift_vs_forgetting(single_rows, measure))
 
 
 def fmt(x, spec=".3f", std=None):
@@ -306,9 +311,11 @@ def results_markdown(runs):
             ("mmd", "MMD", ".4g"), ("forgetting", "forgetting", ".4f"), ("retention", "retention", ".4f")]
     lines = ["Each cell: ours / the paper's Table 2 (Nie 2026). GSM8K flexible accuracy, TruthfulQA MC1, "
              "MMLU accuracy, MMD^2 of rollout states against the base, forgetting and retention averaged "
-             "over TruthfulQA and MMLU. state_nll: mean NLL of the states each run trained on.", "",
-             "| run | " + " | ".join(c[1] for c in cols) + " | state_nll |",
-             "|---" * (len(cols) + 2) + "|"]
+             "over TruthfulQA and MMLU. state_nll: mean NLL of the states each run trained on. update norm: "
+             "how far training moved the weights, the Frobenius norm of the adapter's update over all the layers "
+             "it adapts (lora.update_norm).", "",
+             "| run | " + " | ".join(c[1] for c in cols) + " | state_nll | update norm |",
+             "|---" * (len(cols) + 3) + "|"]
     single_rows = table_rows(runs)
     rows = group_seeds(single_rows)
     if any(r["seeds"] > 1 for r in rows):
@@ -316,7 +323,9 @@ def results_markdown(runs):
     for row in rows:
         paper = PAPER.get(row["run"], {})
         cells = [f"{fmt(row[k], d, row[k + '_std'])} / {fmt(paper.get(k), d)}" for k, _, d in cols]
-        lines.append(f"| {row['run']} | " + " | ".join(cells) + f" | {fmt(row['state_nll'], '.3f', row['state_nll_std'])} |")
+        cells += [fmt(row["state_nll"], ".3f", row["state_nll_std"]), fmt(row["update_norm"], ".2f", row["update_norm_std"])]
+        lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
+    seeds = any(r["seeds"] > 1 for r in rows)
     correlations = drift_forgetting_correlations(single_rows)
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?
@@ -324,8 +333,16 @@ def results_markdown(runs):
         lines += ["", f"MMD against forgetting (P4) over the {ours['n']} post-trained conditions: Spearman's rank "
                       f"correlation {ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (the paper's Table 2, "
                       f"{paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f})."]
-        if any(r["seeds"] > 1 for r in rows) and single:
+        if seeds and single:
             lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
+                          f"{single['pearson']:.2f}.")
+    correlations = drift_forgetting_correlations(single_rows, "update_norm")
+    ours, single = correlations["conditions"], correlations["runs"]
+    if ours:  # the same question in weight space, which the paper does not ask
+        lines += ["", f"The update norm against forgetting over the {ours['n']} post-trained conditions: Spearman's "
+                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f}."]
+        if seeds and single:
+            lines[-1] += (f" Over the {single['n']} single runs: {single['spearman']:.2f} and "
                           f"{single['pearson']:.2f}.")
     return "\n".join(lines) + "\n"
 

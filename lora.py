@@ -264,29 +264,49 @@ def assign_adapter_tensors(model, state, name, source):
         raise InputError(f"{source}: some LoRA tensors are missing for adapter {name!r}")
 
 
-def load_adapter(model, folder, name="default", activate=True, trainable=False):
-    """Open a PEFT-format adapter folder (ours or peft's) as adapter `name`."""
+def read_adapter(folder):
+    """(adapter_config.json, tensors under PEFT's key names) of a PEFT-format adapter folder."""
     from safetensors.torch import load_file
     config_path = os.path.join(folder, "adapter_config.json")
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
         raise FileNotFoundError(f"{folder}: no adapter_config.json + adapter_model.safetensors; is this a run folder?")
-    run = read_run_json(folder)
-    if run is not None and "finished_steps" not in run:
-        # a teacher or an evaluation taken from a run that is still training, or that stopped, is rarely meant
-        print(f"note: the run in {folder} has not finished (still training, or stopped); using its last saved adapter")
     with open(config_path) as f:
         cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
         raise InputError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
-    targets = cfg["target_modules"]
-    targets = [targets] if isinstance(targets, str) else list(targets)
     state = load_file(weights_path)
     # peft writes keys without the adapter name; other tools sometimes keep ".default"
-    state = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v for k, v in state.items()}
+    return cfg, {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+                 for k, v in state.items()}
+
+
+def update_norm(folder):
+    """||delta W||_F over every layer the adapter in folder adapts: how far training moved the
+    weights, the parameter-space counterpart of drift.py's state-space MMD. Per layer
+    ||s B A||_F^2 = s^2 tr((B^T B)(A A^T)), two rank x rank products instead of the
+    out x in matrix; in float64, as the terms of the sum span orders of magnitude."""
+    cfg, state = read_adapter(folder)
+    total = 0.0
+    for key, A in state.items():
+        if key.endswith(".lora_A.weight"):
+            A, B = A.double(), state[key[:-len(".lora_A.weight")] + ".lora_B.weight"].double()
+            total += torch.trace((B.T @ B) @ (A @ A.T)).item()
+    return cfg["lora_alpha"] / cfg["r"] * total ** 0.5
+
+
+def load_adapter(model, folder, name="default", activate=True, trainable=False):
+    """Open a PEFT-format adapter folder (ours or peft's) as adapter `name`."""
+    cfg, state = read_adapter(folder)
+    run = read_run_json(folder)
+    if run is not None and "finished_steps" not in run:
+        # a teacher or an evaluation taken from a run that is still training, or that stopped, is rarely meant
+        print(f"note: the run in {folder} has not finished (still training, or stopped); using its last saved adapter")
+    targets = cfg["target_modules"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
     was_trainable = {p: p.requires_grad for p in model.parameters()}
     add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), tuple(targets), name, activate=False)
-    assign_adapter_tensors(model, state, name, weights_path)
+    assign_adapter_tensors(model, state, name, os.path.join(folder, "adapter_model.safetensors"))
     for p, flag in was_trainable.items():
         p.requires_grad_(flag)
     for p in lora_parameters(model, name):

@@ -186,6 +186,8 @@ def main(argv=None):
     rows = evaluate.table_rows(evaluate.collect_runs(out))
     lora.write_json(os.path.join(out, "results.json"), dict(preset=args.preset, model=model, rows=rows,
                                                            drift_vs_forgetting=evaluate.drift_forgetting_correlations(rows),
+                                                           update_norm_vs_forgetting=evaluate.drift_forgetting_correlations(
+                                                               rows, "update_norm"),
                                                            paper=evaluate.PAPER, timings=stages.timings))
     plot(out, rows)
     print(table)

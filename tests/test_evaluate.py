@@ -108,6 +108,19 @@ def test_drift_against_forgetting_correlations():
     pearson = np.corrcoef([2, 3, 5], [0.01, 0.4, 0.02])[0, 1]
     assert (f"over the 3 post-trained conditions: Spearman's rank correlation 0.50, Pearson's {pearson:.2f} (the "
             f"paper's Table 2, 5 runs: 0.20 and -0.08). Over the 6 single runs, each seed apart:") in table
+    assert "update norm against forgetting" not in table  # no adapter files, no update norms
+
+    # the same question in weight space: the adapters' update norms against forgetting
+    norms = {"mild": 1.0, "mild-seed1": 3.0, "stress": 9.0, "stress-seed1": 11.0, "rl": 2.0, "rl-seed1": 2.0}
+    runs = {name: dict(run(1e-5, f), update_norm=norms[name]) for name, f in
+            (("mild", 0.0), ("mild-seed1", 0.02), ("stress", 0.3), ("stress-seed1", 0.5), ("rl", 0.01), ("rl-seed1", 0.03))}
+    table = E.results_markdown(runs)
+    pearson = np.corrcoef([2, 10, 2], [0.01, 0.4, 0.02])[0, 1]
+    assert (f"The update norm against forgetting over the 3 post-trained conditions: Spearman's 0.87, Pearson's "
+            f"{pearson:.2f}.") in table  # ranks 1.5, 3, 1.5 against 1, 3, 2
+    assert "| stress | " in table and " | 10.00±1.41 |" in table
+    header, rule, *rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert {line.count("|") for line in [header, rule] + rows} == {header.count("|")}  # no cell breaks the columns
 
 
 def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path, capsys):

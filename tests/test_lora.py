@@ -176,3 +176,16 @@ def test_lora_gradients_equal_pefts(tiny_model, tmp_path, dtype):
         # adapter's products in fp32
         bound = 1e-5 * scale if dtype == "fp32" else 5e-2 * scale
         assert scale > 0 and (grad - theirs[name]).abs().max() <= bound, name
+
+
+def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_path):
+    ref = peft_model(tiny_model, r=4, alpha=12)  # random B, scale 3
+    ref.save_pretrained(str(tmp_path / "peft"))
+    ours, _ = M.load(tiny_model)
+    lora.load_adapter(ours, str(tmp_path / "peft"))
+    # the explicit (out, in) weight changes, as merge() would add them
+    expected = sum(layer.delta_weight("default").double().pow(2).sum() for layer in lora.lora_layers(ours).values()) ** 0.5
+    got = lora.update_norm(str(tmp_path / "peft"))
+    assert expected > 0 and abs(got - expected.item()) < 1e-6 * expected.item()  # delta_weight rounds in fp32
+    lora.save_adapter(ours, str(tmp_path / "ours"))  # our own files give the same
+    assert abs(lora.update_norm(str(tmp_path / "ours")) - got) < 1e-9 * got
