@@ -290,7 +290,10 @@ def update_norm(folder):
     total = 0.0
     for key, A in state.items():
         if key.endswith(".lora_A.weight"):
-            A, B = A.double(), state[key[:-len(".lora_A.weight")] + ".lora_B.weight"].double()
+            B = state.get(key[:-len(".lora_A.weight")] + ".lora_B.weight")
+            if B is None:
+                raise InputError(f"{folder}: {key} has no lora_B beside it; the adapter file is incomplete")
+            A, B = A.double(), B.double()
             total += torch.trace((B.T @ B) @ (A @ A.T)).item()
     return cfg["lora_alpha"] / cfg["r"] * total ** 0.5
 

@@ -189,3 +189,8 @@ def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_p
     assert expected > 0 and abs(got - expected.item()) < 1e-6 * expected.item()  # delta_weight rounds in fp32
     lora.save_adapter(ours, str(tmp_path / "ours"))  # our own files give the same
     assert abs(lora.update_norm(str(tmp_path / "ours")) - got) < 1e-9 * got
+    from safetensors.torch import load_file, save_file
+    path = str(tmp_path / "ours" / "adapter_model.safetensors")
+    save_file({k: v for k, v in load_file(path).items() if "layers.1.mlp.up_proj.lora_B" not in k}, path)
+    with pytest.raises(M.InputError, match="up_proj.lora_A.weight has no lora_B beside it"):
+        lora.update_norm(str(tmp_path / "ours"))
