@@ -81,12 +81,13 @@ def load_teacher(model, tok, args):
         raise M.InputError(f"teacher {args.teacher} is neither a run folder (adapter_config.json) nor a model folder (config.json)")
     if not os.path.isdir(args.teacher) and args.teacher.count("/") != 1:
         raise M.InputError(f"teacher {args.teacher} does not exist; pass a run folder such as out/stress or a model id")
-    teacher, teacher_tok = M.load(args.teacher, model.lm_head.weight.device, model.lm_head.weight.dtype)
+    folder = M.model_folder(args.teacher)
+    teacher_tok = M.load_tokenizer(folder, M.read_config(folder))  # checked before the weights are read
     if teacher_tok.tok.get_vocab() != tok.tok.get_vocab() or teacher_tok.eos_id != tok.eos_id:
         # token ids pass between the two models both ways, so another vocabulary is a silent mix-up
         raise M.InputError(f"teacher {args.teacher} has another tokenizer than --model {args.model}; "
                            f"pick a teacher that shares the student's tokenizer (the same model family)")
-    return teacher, None
+    return M.load(folder, model.lm_head.weight.device, model.lm_head.weight.dtype)[0], None
 
 
 def continuation_loss(student_logp):
