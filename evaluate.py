@@ -285,11 +285,11 @@ def drift_vs_forgetting(rows, measure="mmd"):
     fewer than three such rows or a column without spread."""
     pairs = [(r[measure], r["forgetting"]) for r in rows
              if r.get(measure) is not None and r.get("forgetting") is not None]
-    mmd, forgetting = [p[0] for p in pairs], [p[1] for p in pairs]
-    if len(pairs) < 3 or len(set(mmd)) < 2 or len(set(forgetting)) < 2:
+    drift, forgetting = [p[0] for p in pairs], [p[1] for p in pairs]
+    if len(pairs) < 3 or len(set(drift)) < 2 or len(set(forgetting)) < 2:
         return None
-    return dict(n=len(pairs), spearman=statistics.correlation(ranks(mmd), ranks(forgetting)),
-                pearson=statistics.correlation(mmd, forgetting))
+    return dict(n=len(pairs), spearman=statistics.correlation(ranks(drift), ranks(forgetting)),
+                pearson=statistics.correlation(drift, forgetting))
 
 
 def drift_forgetting_correlations(single_rows, measure="mmd"):
@@ -318,14 +318,14 @@ def results_markdown(runs):
              "|---" * (len(cols) + 3) + "|"]
     single_rows = table_rows(runs)
     rows = group_seeds(single_rows)
-    if any(r["seeds"] > 1 for r in rows):
+    seeds = any(r["seeds"] > 1 for r in rows)
+    if seeds:
         lines[0] += f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once)."
     for row in rows:
         paper = PAPER.get(row["run"], {})
         cells = [f"{fmt(row[k], d, row[k + '_std'])} / {fmt(paper.get(k), d)}" for k, _, d in cols]
         cells += [fmt(row["state_nll"], ".3f", row["state_nll_std"]), fmt(row["update_norm"], ".2f", row["update_norm_std"])]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
-    seeds = any(r["seeds"] > 1 for r in rows)
     correlations = drift_forgetting_correlations(single_rows)
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?

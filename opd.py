@@ -130,9 +130,10 @@ def main(argv=None):
         model.eval()
         if args.state_source == "data":
             gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
-            sequences = [p + a[:args.max_new_tokens] for p, a in gold]
+            answers = [a[:args.max_new_tokens] for _, a in gold]
+            sequences = [p + a for (p, _), a in zip(gold, answers)]
             starts = [len(p) for p, _ in gold]
-            texts = [tok.decode(a[:args.max_new_tokens]) for _, a in gold]
+            texts = [tok.decode(a) for a in answers]
         else:
             sampler, adapter = (model, "default") if args.state_source == "student" else (teacher, teacher_adapter)
             with lora.use_adapter(sampler, adapter):  # in eval mode: the model above, a separate teacher always
