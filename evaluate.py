@@ -429,4 +429,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    M.run_script(main)
+    M.run_script(main, "rerun with a smaller --batch-size")

@@ -357,6 +357,22 @@ def optimizer_step(optimizer, step, total_steps, args):
     return lr, grad_norm
 
 
+def micro_batches(lengths, grad_accum, max_tokens):
+    """[lo, hi) ranges splitting a step's sequences, in their order, into the micro-batches
+    that each run one forward and backward pass: at least grad_accum of them, and each at
+    most max_tokens tokens once padded to its longest sequence (0: no bound), a sequence
+    longer than that alone. The scripts weigh each micro-batch by its share of the step's
+    tokens, so any split gives the same update up to float rounding."""
+    most_sequences = math.ceil(len(lengths) / grad_accum)
+    ranges, lo, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        longest = max(longest, length)
+        if i > lo and (i - lo == most_sequences or 0 < max_tokens < (i - lo + 1) * longest):
+            ranges.append((lo, i))
+            lo, longest = i, length
+    return ranges + [(lo, len(lengths))] if lengths else ranges
+
+
 def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     """The flags every training script shares; each script passes its own defaults."""
     from model import add_model_args
@@ -369,7 +385,11 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--warmup", type=number(float, 0, below=1), default=warmup,
                    help="fraction of steps with linear warmup, then cosine decay")
     p.add_argument("--grad-clip", type=number(float, 0), default=1.0, help="clip the global gradient norm (0 = off)")
-    p.add_argument("--grad-accum", type=number(int, 1), default=1, help="micro-batches per optimizer step")
+    p.add_argument("--grad-accum", type=number(int, 1), default=1, help="micro-batches per optimizer step (at least)")
+    p.add_argument("--micro-batch-tokens", type=number(int, 0), default=8192,
+                   help="most tokens, padding included, in one forward and backward pass; a step's sequences are split "
+                        "into micro-batches under it (0 = no bound). 8192 holds Qwen3-0.6B's bf16 activations to "
+                        "about 10 GB")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each layer's matrix products and attention outputs for the backward pass and "
                         "recompute the rest: less activation memory for a little more time, the same gradients")
@@ -450,7 +470,8 @@ class RunFolder:
         os.makedirs(folder, exist_ok=True)
         if not resume and os.path.isfile(self.log_path):  # a run that died before its first checkpoint
             os.remove(self.log_path)
-        # a resumed run may change settings on purpose (--recompute, --grad-accum, --max-steps),
+        # a resumed run may change settings on purpose (--recompute, --grad-accum,
+        # --micro-batch-tokens, --max-steps),
         # but a changed --lr or --preset should not pass unseen
         changed = changed_settings(folder, args) if resume else []
         if changed:

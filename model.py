@@ -836,14 +836,18 @@ def number(kind, minimum, above=False, below=None, why=""):
     return parse
 
 
-def run_script(main):
+def run_script(main, memory_fix="rerun with smaller settings"):
     """A script's entry point: main(argv) on the command line's arguments. A mistake in the
     user's input (InputError, a file that is not there) ends the run with its one-line
-    message; any other exception is a bug and keeps its traceback."""
+    message, and so does a GPU too small for the settings, with memory_fix, the script's
+    flags that need less; any other exception is a bug and keeps its traceback."""
     try:
         main(sys.argv[1:])
     except (InputError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
+    except torch.OutOfMemoryError as e:
+        first_line = (str(e).strip().splitlines() or ["out of memory"])[0]
+        raise SystemExit(f"error: the GPU ran out of memory ({first_line}); {memory_fix}") from None
 
 
 def device_from_args(args):

@@ -27,7 +27,6 @@ teacher shares the student's frozen base weights in memory: only the active adap
 """
 import argparse
 import itertools
-import math
 import os
 import random
 import statistics
@@ -165,16 +164,15 @@ def main(argv=None):
             seqs, seq_starts = sequences, starts
         offsets = [0, *itertools.accumulate(len(s) - st for s, st in zip(seqs, seq_starts))]  # token range of each sequence
         n_tokens = offsets[-1]
-        micro = math.ceil(len(seqs) / args.grad_accum)
         loss_sum = 0.0
-        for m in range(0, len(seqs), micro):
-            part, part_starts = seqs[m:m + micro], seq_starts[m:m + micro]
+        for first, end_seq in lora.micro_batches([len(s) for s in seqs], args.grad_accum, args.micro_batch_tokens):
+            part, part_starts = seqs[first:end_seq], seq_starts[first:end_seq]
             with M.autocast(device):
                 if args.signal == "continuation":
                     loss, metrics = continuation_loss(M.sequence_logprobs(model, part, part_starts, tok.pad_id)[0])
                 else:
                     student_h = M.sequence_states(model, part, part_starts, tok.pad_id)[0]
-                    lo, hi = offsets[m], offsets[min(m + micro, len(seqs))]
+                    lo, hi = offsets[first], offsets[end_seq]
                     loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_h[lo:hi], args.kl))
             weight = metrics["tokens"] / n_tokens  # micro-batches add up to the token mean of the whole step
             (loss * weight).backward()
@@ -194,4 +192,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    M.run_script(main)
+    M.run_script(main, "rerun with --resume and a smaller --micro-batch-tokens, or --recompute")

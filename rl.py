@@ -20,7 +20,6 @@ policy also learns when to stop) rather than a per-sequence mean.
 """
 import argparse
 import itertools
-import math
 import statistics
 import time
 
@@ -115,15 +114,16 @@ def main(argv=None, reward_fn=exact_answer_reward):
         model.train()
         # where each sequence's completion tokens start in the flat token tensors
         offsets = [0, *itertools.accumulate(len(r.completion_ids) for r in rollouts)]
-        micro = math.ceil(len(sequences) / args.grad_accum)
+        micro_batches = lora.micro_batches([len(s) for s in sequences], args.grad_accum, args.micro_batch_tokens)
         for _ in range(args.ppo_epochs):
             loss_sum, metrics = 0.0, {}
-            for m in range(0, len(sequences), micro):
-                lo, hi = offsets[m], offsets[min(m + micro, len(sequences))]
+            for first, end_seq in micro_batches:
+                lo, hi = offsets[first], offsets[end_seq]
                 with M.autocast(device):
-                    logp, seq_of_token = M.sequence_logprobs(model, sequences[m:m + micro], starts[m:m + micro], tok.pad_id)
+                    logp, seq_of_token = M.sequence_logprobs(model, sequences[first:end_seq], starts[first:end_seq],
+                                                             tok.pad_id)
                 # no PPO ratio needed on the first epoch, we are on policy: exp(logp - old_logp) == 1 up to float noise
-                loss, part_metrics = policy_loss(logp, old_logp[lo:hi], adv_per_seq[m:m + micro][seq_of_token], args.clip,
+                loss, part_metrics = policy_loss(logp, old_logp[lo:hi], adv_per_seq[first:end_seq][seq_of_token], args.clip,
                                                  None if ref_logp is None else ref_logp[lo:hi], args.kl_coef)
                 weight = (hi - lo) / old_logp.numel()  # micro-batches add up to the token mean of the whole batch
                 (loss * weight).backward()
@@ -148,4 +148,4 @@ def main(argv=None, reward_fn=exact_answer_reward):
 
 
 if __name__ == "__main__":
-    M.run_script(main)
+    M.run_script(main, "rerun with --resume and a smaller --micro-batch-tokens, or --recompute")

@@ -95,9 +95,8 @@ def main(argv=None):
 
         model.train()
         loss_sum = 0.0
-        micro = math.ceil(len(batch) / args.grad_accum)
-        for m in range(0, len(batch), micro):
-            part = batch[m:m + micro]
+        for lo, hi in lora.micro_batches([len(s) for s, _ in batch], args.grad_accum, args.micro_batch_tokens):
+            part = batch[lo:hi]
             with M.autocast(device):
                 logp, _ = M.sequence_logprobs(model, [s for s, _ in part], [p for _, p in part], tok.pad_id)
             loss, _ = sft_loss(logp)
@@ -118,4 +117,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    M.run_script(main)
+    M.run_script(main, "rerun with --resume and a smaller --micro-batch-tokens, or --recompute")

@@ -194,3 +194,17 @@ def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_p
     save_file({k: v for k, v in load_file(path).items() if "layers.1.mlp.up_proj.lora_B" not in k}, path)
     with pytest.raises(M.InputError, match="up_proj.lora_A.weight has no lora_B beside it"):
         lora.update_norm(str(tmp_path / "ours"))
+
+
+def test_micro_batches_split_in_order_under_the_token_bound():
+    lengths = [5, 9, 3, 3, 12, 4, 4, 4]
+    # without a bound, --grad-accum alone: ceil(8 / n) sequences a pass
+    assert lora.micro_batches(lengths, 1, 0) == [(0, 8)]
+    assert lora.micro_batches(lengths, 3, 0) == [(0, 3), (3, 6), (6, 8)]
+    # 18 tokens: each pass's count times its longest length stays at most 18
+    assert lora.micro_batches(lengths, 1, 18) == [(0, 2), (2, 4), (4, 5), (5, 8)]
+    # the bound and --grad-accum together: whichever splits first
+    assert lora.micro_batches(lengths, 4, 18) == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
+    # a sequence longer than the bound runs alone rather than not at all
+    assert lora.micro_batches(lengths, 1, 10) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
+    assert lora.micro_batches([], 2, 10) == []

@@ -234,6 +234,13 @@ def test_run_script_ends_input_errors_in_one_line_and_keeps_tracebacks_for_bugs(
     with pytest.raises(ValueError, match="a bug"):
         M.run_script(bug)
 
+    def too_big(argv):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nIf reserved but unallocated ...")
+    with pytest.raises(SystemExit) as e:
+        M.run_script(too_big, "rerun with a smaller --batch-size")
+    assert e.value.code == ("error: the GPU ran out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.); "
+                            "rerun with a smaller --batch-size")
+
 
 def test_a_hub_id_that_cannot_be_fetched_is_a_one_line_error(monkeypatch):
     import huggingface_hub

@@ -382,15 +382,27 @@ def test_sft_max_length_that_cuts_every_answer_is_an_input_error(tiny_model, dat
         sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--max-length", 4, "--max-steps", 1))
 
 
+@pytest.mark.parametrize("split", [["--grad-accum", 2], ["--micro-batch-tokens", 1]])
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
-def test_gradient_accumulation_matches_one_batch(tiny_model, data_dir, tmp_path, script):
+def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_model, data_dir, tmp_path, script, split, monkeypatch):
     main = MAINS[script]
     extra = {"sft": ["--train-limit", 8, "--batch-size", 4, "--lora-dropout", 0, "--max-steps", 2],
              "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
              "opd": ["--teacher", tiny_model, "--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 2,
                      "--continuation-tokens", 4, "--lr", 1e-3]}[script]
+    passes = []  # sequences in each training pass, the passes with a gradient
+    states = M.sequence_states
+    monkeypatch.setattr(M, "sequence_states", lambda model, sequences, *rest: (
+        passes.append(len(sequences)) if torch.is_grad_enabled() else None, states(model, sequences, *rest))[1])
     main(common(tiny_model, data_dir, tmp_path / "one", *extra))
-    main(common(tiny_model, data_dir, tmp_path / "split", *extra, "--grad-accum", 2))
+    assert len(passes) == 2  # one pass a step: the default bound does not split these small batches
+    whole = passes[0]
+    passes.clear()
+    main(common(tiny_model, data_dir, tmp_path / "split", *extra, *split))
+    if split[0] == "--grad-accum":
+        assert len(passes) == 4 and max(passes) == -(-whole // 2)
+    else:  # a bound below every sequence's length: each sequence in a pass of its own
+        assert set(passes) == {1} and len(passes) == 2 * whole
     a, b = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "split")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)
