@@ -14,6 +14,8 @@ peft.PeftModel.from_pretrained opens our adapters and load_adapter opens theirs.
 import json
 import math
 import os
+import re
+import shutil
 
 import torch
 import torch.nn as nn
@@ -396,6 +398,9 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--max-steps", type=number(int, 0), default=0,
                    help="stop after this many optimizer steps (0 = the full run)")
     p.add_argument("--save-every", type=number(int, 1), default=50, help="write a checkpoint every N steps")
+    p.add_argument("--snapshot-every", type=number(int, 0), default=0,
+                   help="also keep the adapter every N steps in <out>/snapshots/step-N, a run folder of its own for "
+                        "evaluate.py and drift.py: how forgetting and drift grow over training (0 = none)")
     p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
 
@@ -468,11 +473,13 @@ class RunFolder:
         if resume and not has_checkpoint:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
         os.makedirs(folder, exist_ok=True)
-        if not resume and os.path.isfile(self.log_path):  # a run that died before its first checkpoint
-            os.remove(self.log_path)
+        self.snapshots = os.path.join(folder, "snapshots")
+        if not resume:  # what a run that died before its first checkpoint left
+            if os.path.isfile(self.log_path):
+                os.remove(self.log_path)
+            shutil.rmtree(self.snapshots, ignore_errors=True)
         # a resumed run may change settings on purpose (--recompute, --grad-accum,
-        # --micro-batch-tokens, --max-steps),
-        # but a changed --lr or --preset should not pass unseen
+        # --micro-batch-tokens, --max-steps), but a changed --lr or --preset should not pass unseen
         changed = changed_settings(folder, args) if resume else []
         if changed:
             print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
@@ -491,11 +498,15 @@ class RunFolder:
             with open(self.log_path) as f:
                 lines = [l for l in f if json.loads(l)["step"] <= step]
             write_atomic(self.log_path, lambda p: open(p, "w").write("".join(lines)))
+        for name in os.listdir(self.snapshots) if os.path.isdir(self.snapshots) else []:
+            # and its snapshots of later steps, whole or half-written
+            found = re.fullmatch(r"step-(\d+)(\.tmp)?", name)
+            if found and (found[2] or int(found[1]) > step):
+                shutil.rmtree(os.path.join(self.snapshots, name))
         print(f"resuming {self.folder} at step {step}")
         return step
 
     def save(self, model, optimizer, step, name="default"):
-        import shutil
         tmp, old = self.ckpt + ".tmp", self.ckpt + ".old"
         shutil.rmtree(tmp, ignore_errors=True)
         save_adapter(model, tmp, name)
@@ -506,6 +517,18 @@ class RunFolder:
         os.replace(tmp, self.ckpt)
         shutil.rmtree(old, ignore_errors=True)
         save_adapter(model, self.folder, name)
+
+    def snapshot(self, model, step, name="default"):
+        """The adapter after `step` steps in snapshots/step-<step>, with run.json and the log
+        so far: a finished run folder of its own, which evaluate.py and drift.py take."""
+        folder = os.path.join(self.snapshots, f"step-{step:06d}")
+        tmp = folder + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter(model, tmp, name)
+        write_json(os.path.join(tmp, "run.json"), {**read_run_json(self.folder), "finished_steps": step})
+        shutil.copy(self.log_path, os.path.join(tmp, "log.jsonl"))
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
 
     def finish(self, step):
         """Mark the run complete in run.json; reproduce.py skips finished runs."""

@@ -37,7 +37,7 @@ SCRIPTS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
 PARSERS = {"sft": sft.parse_args, "rl": rl.parse_args, "opd": opd.parse_args}
 # flags that say where a run lives or how it was computed, not what it learned
 NOT_SETTINGS = ("resume", "out", "model", "data_dir", "device", "dtype", "recompute", "grad_accum",
-                "micro_batch_tokens", "save_every")
+                "micro_batch_tokens", "save_every", "snapshot_every")
 
 
 def runs_of(out, seed=0):

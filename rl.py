@@ -141,6 +141,8 @@ def main(argv=None, reward_fn=exact_answer_reward):
                       seconds=time.time() - t0, **metrics)
         run.log(record)
         bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")
+        if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
+            run.snapshot(model, step + 1)
         if (step + 1) % args.save_every == 0 or step + 1 == end:
             run.save(model, optimizer, step + 1)
     run.finish(end)

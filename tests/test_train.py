@@ -293,6 +293,29 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("script", ["sft", "rl", "opd"])
+def test_snapshots_hold_each_steps_adapter_as_a_run_folder(tiny_model, data_dir, tmp_path, script):
+    main, extra = MAINS[script], short_run(script, tiny_model)
+    main(common(tiny_model, data_dir, tmp_path / "run", *extra, "--max-steps", 3, "--snapshot-every", 1))
+    main(common(tiny_model, data_dir, tmp_path / "one-step", *extra, "--max-steps", 1))
+    snapshots = tmp_path / "run" / "snapshots"
+    assert sorted(os.listdir(snapshots)) == ["step-000001", "step-000002", "step-000003"]
+    first, last = adapter_tensors(snapshots / "step-000001"), adapter_tensors(snapshots / "step-000003")
+    after_one, final = adapter_tensors(tmp_path / "one-step"), adapter_tensors(tmp_path / "run")
+    assert all(torch.equal(first[k], after_one[k]) and torch.equal(last[k], final[k]) for k in final)
+    assert any(not torch.equal(first[k], last[k]) for k in final)  # they are different steps' adapters
+    # each a finished run folder of its own, with the log up to its step, for evaluate.py and drift.py
+    lora.check_run_folder(str(snapshots / "step-000002"), tiny_model)
+    assert json.loads((snapshots / "step-000002" / "run.json").read_text())["finished_steps"] == 2
+    assert [r["step"] for r in read_log(snapshots / "step-000002")] == [1, 2]
+    # a resume forgets snapshots past its checkpoint and half-written ones, as it forgets their log lines
+    (snapshots / "step-000007").mkdir()
+    (snapshots / "step-000002.tmp").mkdir()
+    (snapshots / "results.md").write_text("a table the user made\n")
+    main(common(tiny_model, data_dir, tmp_path / "run", *extra, "--max-steps", 3, "--snapshot-every", 1, "--resume"))
+    assert sorted(os.listdir(snapshots)) == ["results.md", "step-000001", "step-000002", "step-000003"]
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir, tmp_path, monkeypatch, capsys):
     args = common(tiny_model, data_dir, tmp_path / "nan", "--train-limit", 12, "--batch-size", 4, "--save-every", 2,
                   "--epochs", 2)
