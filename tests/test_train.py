@@ -413,10 +413,14 @@ def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_model, data_dir,
              "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
              "opd": ["--teacher", tiny_model, "--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 2,
                      "--continuation-tokens", 4, "--lr", 1e-3]}[script]
-    passes = []  # sequences in each training pass, the passes with a gradient
-    states = M.sequence_states
-    monkeypatch.setattr(M, "sequence_states", lambda model, sequences, *rest: (
-        passes.append(len(sequences)) if torch.is_grad_enabled() else None, states(model, sequences, *rest))[1])
+    passes = []  # how many sequences each training pass (a pass with a gradient) runs
+    plain_states = M.sequence_states
+
+    def counted_states(model, sequences, *rest):
+        if torch.is_grad_enabled():
+            passes.append(len(sequences))
+        return plain_states(model, sequences, *rest)
+    monkeypatch.setattr(M, "sequence_states", counted_states)
     main(common(tiny_model, data_dir, tmp_path / "one", *extra))
     assert len(passes) == 2  # one pass a step: the default bound does not split these small batches
     whole = passes[0]
