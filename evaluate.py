@@ -306,40 +306,48 @@ def fmt(x, spec=".3f", std=None):
 
 
 def results_markdown(runs):
+    """results.md: one row per condition (seeds merged), each cell ours / the paper's Table 2,
+    and the drift-forgetting correlations under it. Rows none of which is a paper condition
+    (a run's snapshots, a study of one's own) get our numbers alone."""
     # MMD^2 in significant digits: a small model's drift can be 1e-5 where the paper's is 1e-2
     cols = [("gsm8k", "GSM8K", ".3f"), ("truthfulqa", "TruthfulQA", ".3f"), ("mmlu", "MMLU", ".3f"),
             ("mmd", "MMD", ".4g"), ("forgetting", "forgetting", ".4f"), ("retention", "retention", ".4f")]
-    lines = ["Each cell: ours / the paper's Table 2 (Nie 2026). GSM8K flexible accuracy, TruthfulQA MC1, "
-             "MMLU accuracy, MMD^2 of rollout states against the base, forgetting and retention averaged "
-             "over TruthfulQA and MMLU. state_nll: mean NLL of the states each run trained on. update norm: "
-             "how far training moved the weights, the Frobenius norm of the adapter's update over all the layers "
-             "it adapts (lora.update_norm).", "",
-             "| run | " + " | ".join(c[1] for c in cols) + " | state_nll | update norm |",
-             "|---" * (len(cols) + 3) + "|"]
     single_rows = table_rows(runs)
     rows = group_seeds(single_rows)
+    with_paper = any(row["run"] in PAPER for row in rows)
+    lines = [("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "") +
+             "GSM8K flexible accuracy, TruthfulQA MC1, MMLU accuracy, MMD^2 of rollout states against the base, "
+             "forgetting and retention averaged over TruthfulQA and MMLU. state_nll: mean NLL of the states each run "
+             "trained on. update norm: how far training moved the weights, the Frobenius norm of the adapter's update "
+             "over all the layers it adapts (lora.update_norm).", "",
+             "| run | " + " | ".join(c[1] for c in cols) + " | state_nll | update norm |",
+             "|---" * (len(cols) + 3) + "|"]
     seeds = any(r["seeds"] > 1 for r in rows)
     if seeds:
         lines[0] += f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once)."
     for row in rows:
         paper = PAPER.get(row["run"], {})
-        cells = [f"{fmt(row[k], d, row[k + '_std'])} / {fmt(paper.get(k), d)}" for k, _, d in cols]
+        cells = [fmt(row[k], d, row[k + "_std"]) + (f" / {fmt(paper.get(k), d)}" if with_paper else "")
+                 for k, _, d in cols]
         cells += [fmt(row["state_nll"], ".3f", row["state_nll_std"]), fmt(row["update_norm"], ".2f", row["update_norm_std"])]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
+    over = "post-trained conditions" if with_paper else "rows"
     correlations = drift_forgetting_correlations(single_rows)
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?
-        paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()])
-        lines += ["", f"MMD against forgetting (P4) over the {ours['n']} post-trained conditions: Spearman's rank "
-                      f"correlation {ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (the paper's Table 2, "
-                      f"{paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f})."]
+        lines += ["", f"MMD against forgetting (P4) over the {ours['n']} {over}: Spearman's rank correlation "
+                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f}"]
+        if with_paper:
+            paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()])
+            lines[-1] += f" (the paper's Table 2, {paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f})"
+        lines[-1] += "."
         if seeds and single:
             lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
                           f"{single['pearson']:.2f}.")
     correlations = drift_forgetting_correlations(single_rows, "update_norm")
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # the same question in weight space, which the paper does not ask
-        lines += ["", f"The update norm against forgetting over the {ours['n']} post-trained conditions: Spearman's "
+        lines += ["", f"The update norm against forgetting over the {ours['n']} {over}: Spearman's "
                       f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f}."]
         if seeds and single:
             lines[-1] += (f" Over the {single['n']} single runs: {single['spearman']:.2f} and "

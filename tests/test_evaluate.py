@@ -187,3 +187,17 @@ def test_more_mmlu_shots_than_the_dev_split_holds_is_an_input_error(data_dir):
     args.data_dir = data_dir
     with pytest.raises(M.InputError, match=r"--mmlu-shots 6: the dev split holds 5 examples of \w+; pass --mmlu-shots 5"):
         E.eval_mmlu(None, None, args)  # raised before any model is needed
+
+
+def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
+    """A run's snapshots (or a study of one's own) have no paper values to stand beside."""
+    run = lambda mmd2, forgetting: {"eval": {"gsm8k": {"flexible": 0.5}, "retention": {"forgetting": forgetting}},
+                                    "drift": {"mmd2": mmd2}}
+    table = E.results_markdown({"step-000010": run(3e-5, 0.1), "step-000020": run(2e-5, 0.3),
+                                "step-000030": run(1e-5, 0.2)})
+    assert "paper" not in table and " / " not in table
+    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.3000 | - | - | - |" in table
+    pearson = np.corrcoef([3, 2, 1], [0.1, 0.3, 0.2])[0, 1]
+    assert f"MMD against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f}." in table
+    # one paper condition among them brings the paper's column back for every row
+    assert "| step-000020 | 0.500 / - |" in E.results_markdown({"stress": run(1e-5, 0.4), "step-000020": run(2e-5, 0.3)})
