@@ -201,3 +201,28 @@ def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     assert f"MMD against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f}." in table
     # one paper condition among them brings the paper's column back for every row
     assert "| step-000020 | 0.500 / - |" in E.results_markdown({"stress": run(1e-5, 0.4), "step-000020": run(2e-5, 0.3)})
+
+
+def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, data_dir, tmp_path):
+    """The README's way to follow forgetting over training: snapshots, then evaluate.py and
+    drift.py on snapshots/step-*, then a table of them."""
+    import glob
+    import sft
+    out = tmp_path / "out"
+    common = ["--model", tiny_model, "--data-dir", str(data_dir)]
+    sft.main([*common, "--out", str(out / "stress"), "--train-limit", "8", "--batch-size", "4", "--max-steps", "2",
+              "--snapshot-every", "1", "--lr", "1e-2"])
+    flags = [*common, "--out", str(out), "--gsm8k-limit", "4", "--mmlu-limit", "4", "--truthfulqa-limit", "4",
+             "--max-new-tokens", "8", "--gsm8k-shots", "1", "--mmlu-shots", "1", "--batch-size", "4"]
+    E.main(["base", *flags])
+    (out / "stress" / "snapshots" / "results.md").write_text("an earlier table, not a run\n")
+    steps = sorted(glob.glob(str(out / "stress" / "snapshots" / "step-*")))
+    E.main([*steps, *flags])
+    drift.main([*steps, *common, "--out", str(out), "--prompts", "4", "--max-new-tokens", "8", "--stride", "4",
+                "--permutations", "10"])
+    table = E.write_table(str(out / "stress" / "snapshots"))
+    rows = [line for line in table.splitlines() if line.startswith("| step-")]
+    assert [row.split(" | ")[0] for row in rows] == ["| step-000001", "| step-000002"]
+    for row in rows:  # drift, forgetting against the base, the log's state_nll and the update norm are all there
+        run, gsm8k, truthfulqa, mmlu, mmd, forgetting, retention, state_nll, update_norm = row.strip("| ").split(" | ")
+        assert "-" not in (mmd, forgetting, state_nll, update_norm), row  # a random base may score 0: no retention
