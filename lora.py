@@ -459,9 +459,10 @@ def run_finished(folder):
 
 
 class RunFolder:
-    """out/<run>/: run.json, log.jsonl, the latest adapter (PEFT format) and checkpoint/
-    (adapter + optimizer state + step). Every file is written atomically and checkpoint/
-    is replaced as a whole, so an interrupted run always has one complete checkpoint."""
+    """out/<run>/: run.json, log.jsonl, the latest adapter (PEFT format), checkpoint/
+    (adapter + optimizer state + step) and, with --snapshot-every, snapshots/. Every file
+    is written atomically and checkpoint/ and each snapshot are replaced as a whole, so an
+    interrupted run always has one complete checkpoint."""
 
     def __init__(self, folder, args, resume):
         self.folder = folder
