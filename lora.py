@@ -405,6 +405,10 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
 
 
+# what a training script's GPU out of memory says to do (model.run_script): the flags above that need less
+MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recompute"
+
+
 def check_run_folder(folder, model, also=""):
     """Stop unless folder holds a run's adapter trained on the base model (check_same_base);
     also names what else the caller accepts in place of a run folder."""
@@ -466,6 +470,7 @@ class RunFolder:
 
     def __init__(self, folder, args, resume):
         self.folder = folder
+        self.save_every, self.snapshot_every = args.save_every, args.snapshot_every
         self.ckpt = os.path.join(folder, "checkpoint")
         self.log_path = os.path.join(folder, "log.jsonl")
         has_checkpoint = os.path.isdir(self.ckpt) or os.path.isdir(self.ckpt + ".old")
@@ -518,6 +523,14 @@ class RunFolder:
         os.replace(tmp, self.ckpt)
         shutil.rmtree(old, ignore_errors=True)
         save_adapter(model, self.folder, name)
+
+    def end_step(self, model, optimizer, step, end):
+        """After step `step` of a run ending at `end`: a snapshot every --snapshot-every steps,
+        a checkpoint every --save-every steps and at the end."""
+        if self.snapshot_every and step % self.snapshot_every == 0:
+            self.snapshot(model, step)
+        if step % self.save_every == 0 or step == end:
+            self.save(model, optimizer, step)
 
     def snapshot(self, model, step, name="default"):
         """The adapter after `step` steps in snapshots/step-<step>, with run.json and the log

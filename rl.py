@@ -141,13 +141,10 @@ def main(argv=None, reward_fn=exact_answer_reward):
                       seconds=time.time() - t0, **metrics)
         run.log(record)
         bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")
-        if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
-            run.snapshot(model, step + 1)
-        if (step + 1) % args.save_every == 0 or step + 1 == end:
-            run.save(model, optimizer, step + 1)
+        run.end_step(model, optimizer, step + 1, end)
     run.finish(end)
     print(f"done: adapter in {args.out}")
 
 
 if __name__ == "__main__":
-    M.run_script(main, "rerun with --resume and a smaller --micro-batch-tokens, or --recompute")
+    M.run_script(main, lora.MEMORY_FIX)

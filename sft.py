@@ -110,13 +110,10 @@ def main(argv=None):
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr, grad_norm=grad_norm,
                      tokens=n_tokens, seconds=time.time() - t0))
         bar.set_postfix(loss=f"{loss:.4f}")
-        if args.snapshot_every and (step + 1) % args.snapshot_every == 0:
-            run.snapshot(model, step + 1)
-        if (step + 1) % args.save_every == 0 or step + 1 == end:
-            run.save(model, optimizer, step + 1)
+        run.end_step(model, optimizer, step + 1, end)
     run.finish(end)
     print(f"done: adapter in {args.out}")
 
 
 if __name__ == "__main__":
-    M.run_script(main, "rerun with --resume and a smaller --micro-batch-tokens, or --recompute")
+    M.run_script(main, lora.MEMORY_FIX)
