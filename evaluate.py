@@ -9,7 +9,9 @@ results table in the layout of the paper's Table 2.
 Conventions follow lm-evaluation-harness: GSM8K 5-shot 'Question:/Answer:' prompts, greedy,
 strict ('#### N') and flexible (last number) extraction; MMLU 5-shot with the subject
 header, the prediction is the letter whose ' A'..' D' continuation is most likely;
-TruthfulQA MC1/MC2 with the six-question QA primer and summed log-likelihoods.
+TruthfulQA MC1/MC2 with the six-question QA primer and summed log-likelihoods. Every score
+comes with its standard error over the questions as lm-evaluation-harness gives it, and
+forgetting with one that pairs each question with the base model's answer to it.
 """
 import argparse
 import json
@@ -27,6 +29,7 @@ import model as M
 from sample import generate
 
 TASKS = ("gsm8k", "mmlu", "truthfulqa")
+RETENTION_TASKS = ("truthfulqa", "mmlu")  # the paper averages forgetting over TruthfulQA MC1 and MMLU
 # Table 2 of the paper (Nie 2026, arXiv 2605.22731), keyed by our run folder names
 PAPER = {
     "base": dict(gsm8k=0.448, truthfulqa=0.300, mmlu=0.436),
@@ -121,9 +124,9 @@ def eval_gsm8k(model, tok, args):
         samples.append(dict(task="gsm8k", index=i, prompt=prompts[i], completion=text, gold=row["gold"],
                             strict=strict, flexible=flexible, correct=data.same_number(flexible, row["gold"]),
                             strict_correct=data.same_number(strict, row["gold"])))
-    n = len(samples)
-    return dict(flexible=sum(s["correct"] for s in samples) / n, strict=sum(s["strict_correct"] for s in samples) / n,
-                n=n, shots=len(shots)), samples
+    return dict(**mean_and_stderr("flexible", [s["correct"] for s in samples]),
+                **mean_and_stderr("strict", [s["strict_correct"] for s in samples]),
+                n=len(samples), shots=len(shots)), samples
 
 
 def eval_mmlu(model, tok, args):
@@ -141,7 +144,8 @@ def eval_mmlu(model, tok, args):
         pred = max(range(4), key=lambda c: ll[c])
         samples.append(dict(task="mmlu", index=i, subject=row["subject"], prompt=prompts[i], loglikelihoods=ll,
                             prediction=pred, answer=row["answer"], correct=pred == row["answer"]))
-    return dict(acc=sum(s["correct"] for s in samples) / len(samples), n=len(samples), scoring=args.mmlu_scoring), samples
+    return dict(**mean_and_stderr("acc", [s["correct"] for s in samples]), n=len(samples),
+                scoring=args.mmlu_scoring), samples
 
 
 def mc2_score(lls, labels):
@@ -166,12 +170,69 @@ def eval_truthfulqa(model, tok, args):
         samples.append(dict(task="truthfulqa", index=i, prompt=prompts[i], mc1_loglikelihoods=mc1[i],
                             mc2_loglikelihoods=mc2[i], prediction=pred, correct=bool(labels1[pred]),
                             mc2=mc2_score(mc2[i], labels2)))
-    n = len(samples)
-    return dict(mc1=sum(s["correct"] for s in samples) / n, mc2=sum(s["mc2"] for s in samples) / n, n=n), samples
+    return dict(**mean_and_stderr("mc1", [s["correct"] for s in samples]),
+                **mean_and_stderr("mc2", [s["mc2"] for s in samples]), n=len(samples)), samples
 
 
 # -----------------------------------------------------------------------------
 # retention and tables
+
+def standard_error(values):
+    """The standard error of a mean over questions as lm-evaluation-harness reports it, the
+    sample standard deviation over sqrt(n): how far the mean could move on another draw of
+    as many questions."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else None
+
+
+def mean_and_stderr(name, values):
+    return {name: sum(values) / len(values), name + "_stderr": standard_error(values)}
+
+
+# which flags decide the questions and prompts of a retention task: forgetting compares a
+# run with the base on the very same ones
+SAME_QUESTIONS = {"mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"), "truthfulqa": ("truthfulqa_limit",)}
+
+
+def check_same_questions(base_result, args, base_path):
+    settings = base_result.get("settings", {})
+    for task, flags in SAME_QUESTIONS.items():
+        if task not in base_result or task not in args.tasks.split(","):
+            continue
+        for flag in flags:
+            if flag == "seed" and settings.get("mmlu_limit") == 0:
+                continue  # every question, whichever the seed
+            if flag in settings and settings[flag] != getattr(args, flag):
+                option = "--" + flag.replace("_", "-")
+                raise M.InputError(f"{base_path} scored {task} with {option} {settings[flag]}, this evaluation with "
+                                   f"{getattr(args, flag)}; forgetting compares the same questions: pass {option} "
+                                   f"{settings[flag]}, or evaluate 'base' again first")
+
+
+def read_samples(folder):
+    path = os.path.join(folder, "eval_samples.jsonl")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def paired_stderr(base_samples, post_samples, base_folder="the base"):
+    """The standard error of each retention task's forgetting from its finite questions.
+    Base and post answer the same questions, so it is the error of the mean of the
+    per-question differences (base right minus post right): smaller than the two scores'
+    errors combined, by as much as the two models get the same questions right."""
+    out = {}
+    for task in RETENTION_TASKS:
+        base = {s["index"]: s for s in base_samples or [] if s["task"] == task}
+        post = {s["index"]: s for s in post_samples if s["task"] == task}
+        if not base or not post:
+            continue
+        if base.keys() != post.keys() or any(base[i]["prompt"] != post[i]["prompt"] for i in post):
+            raise M.InputError(f"the base's answers in {base_folder} are to other {task} questions than this "
+                               f"evaluation's; evaluate 'base' again with this evaluation's --data-dir and flags")
+        out[task] = standard_error([int(base[i]["correct"]) - int(post[i]["correct"]) for i in sorted(post)])
+    return out
+
 
 def retention_scores(result):
     """The two retention numbers the paper averages: TruthfulQA MC1 and MMLU accuracy."""
@@ -183,10 +244,11 @@ def retention_scores(result):
     return out
 
 
-def retention(base, post):
+def retention(base, post, stderr=None):
     """Forgetting F = base - post and retention ratio post / base per task (eq. 12), and
-    their means over the tasks both have."""
-    tasks = [t for t in ("truthfulqa", "mmlu") if t in base and t in post]
+    their means over the tasks both have; given each task's forgetting's standard error
+    (paired_stderr) also the mean's."""
+    tasks = [t for t in RETENTION_TASKS if t in base and t in post]
     # a base score of zero has no ratio: None (JSON null) rather than a NaN
     per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else None) for t in tasks}
     out = dict(per_task=per)
@@ -194,6 +256,12 @@ def retention(base, post):
         out["forgetting"] = sum(per[t]["forgetting"] for t in tasks) / len(tasks)
         ratios = [per[t]["retention"] for t in tasks]
         out["retention"] = None if None in ratios else sum(ratios) / len(ratios)
+    errors = [(stderr or {}).get(t) for t in tasks]
+    for t, e in zip(tasks, errors):
+        per[t]["forgetting_stderr"] = e
+    if tasks and None not in errors:
+        # the tasks' questions are drawn independently, so their errors add in squares
+        out["forgetting_stderr"] = math.sqrt(sum(e * e for e in errors)) / len(tasks)
     return out
 
 
@@ -238,12 +306,14 @@ def table_rows(runs):
         ret = e.get("retention", {})
         rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"), truthfulqa=e.get("truthfulqa", {}).get("mc1"),
                          mmlu=e.get("mmlu", {}).get("acc"), mmd=run.get("drift", {}).get("mmd2"),
-                         forgetting=ret.get("forgetting"), retention=ret.get("retention"),
+                         forgetting=ret.get("forgetting"), forgetting_stderr=ret.get("forgetting_stderr"),
+                         retention=ret.get("retention"),
                          state_nll=run.get("state_nll"), update_norm=run.get("update_norm")))
     return rows
 
 
-METRICS = ("gsm8k", "truthfulqa", "mmlu", "mmd", "forgetting", "retention", "state_nll", "update_norm")
+METRICS = ("gsm8k", "truthfulqa", "mmlu", "mmd", "forgetting", "forgetting_stderr", "retention", "state_nll",
+           "update_norm")
 
 
 def group_seeds(rows):
@@ -310,26 +380,32 @@ def results_markdown(runs):
     and the drift-forgetting correlations under it. Rows none of which is a paper condition
     (a run's snapshots, a study of one's own) get our numbers alone."""
     # MMD^2 in significant digits: a small model's drift can be 1e-5 where the paper's is 1e-2
-    cols = [("gsm8k", "GSM8K", ".3f"), ("truthfulqa", "TruthfulQA", ".3f"), ("mmlu", "MMLU", ".3f"),
-            ("mmd", "MMD", ".4g"), ("forgetting", "forgetting", ".4f"), ("retention", "retention", ".4f")]
+    # (key, header, format, how the cell reads): "paper" ours / the paper's, "spread" ours with
+    # the spread over seeds, "mean" ours alone (a standard error's spread over seeds says little)
+    cols = [("gsm8k", "GSM8K", ".3f", "paper"), ("truthfulqa", "TruthfulQA", ".3f", "paper"),
+            ("mmlu", "MMLU", ".3f", "paper"), ("mmd", "MMD", ".4g", "paper"), ("forgetting", "forgetting", ".4f", "paper"),
+            ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"), ("retention", "retention", ".4f", "paper"),
+            ("state_nll", "state_nll", ".3f", "spread"), ("update_norm", "update norm", ".2f", "spread")]
     single_rows = table_rows(runs)
     rows = group_seeds(single_rows)
     with_paper = any(row["run"] in PAPER for row in rows)
     lines = [("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "") +
              "GSM8K flexible accuracy, TruthfulQA MC1, MMLU accuracy, MMD^2 of rollout states against the base, "
-             "forgetting and retention averaged over TruthfulQA and MMLU. state_nll: mean NLL of the states each run "
-             "trained on. update norm: how far training moved the weights, the Frobenius norm of the adapter's update "
-             "over all the layers it adapts (lora.update_norm).", "",
-             "| run | " + " | ".join(c[1] for c in cols) + " | state_nll | update norm |",
-             "|---" * (len(cols) + 3) + "|"]
+             "forgetting and retention averaged over TruthfulQA and MMLU. forgetting s.e.: the standard error of a "
+             "run's forgetting from the finite number of questions, over each question's difference from the base's "
+             "answer to it (ours alone). state_nll: mean NLL of the states each run trained on. update norm: how far "
+             "training moved the weights, the Frobenius norm of the adapter's update over all the layers it adapts "
+             "(lora.update_norm).", "",
+             "| run | " + " | ".join(c[1] for c in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
     seeds = any(r["seeds"] > 1 for r in rows)
     if seeds:
-        lines[0] += f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once)."
+        lines[0] += (f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once; "
+                     f"forgetting s.e.: the mean over seeds).")
     for row in rows:
         paper = PAPER.get(row["run"], {})
-        cells = [fmt(row[k], d, row[k + "_std"]) + (f" / {fmt(paper.get(k), d)}" if with_paper else "")
-                 for k, _, d in cols]
-        cells += [fmt(row["state_nll"], ".3f", row["state_nll_std"]), fmt(row["update_norm"], ".2f", row["update_norm_std"])]
+        cells = [fmt(row[k], d, None if reads == "mean" else row[k + "_std"]) +
+                 (f" / {fmt(paper.get(k), d)}" if with_paper and reads == "paper" else "") for k, _, d, reads in cols]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
     over = "post-trained conditions" if with_paper else "rows"
     correlations = drift_forgetting_correlations(single_rows)
@@ -417,6 +493,9 @@ def main(argv=None):
     for run in args.runs:
         if run != "base":
             lora.check_run_folder(run, args.model, also=", or 'base'")
+    base_path = os.path.join(args.out, "eval.json")
+    if args.runs[0] != "base" and os.path.isfile(base_path):  # else the base is evaluated anew, with these flags
+        check_same_questions(read_json(base_path), args, base_path)
     print(vars(args))
     model, tok = M.load(args.model, args.device, args.dtype)
     for run in args.runs:
@@ -428,9 +507,9 @@ def main(argv=None):
             lora.load_adapter(model, run, name=name)
             folder = run
         results, samples = evaluate(model, tok, args)
-        base_path = os.path.join(args.out, "eval.json")
         if run != "base" and os.path.isfile(base_path):
-            results["retention"] = retention(retention_scores(read_json(base_path)), retention_scores(results))
+            results["retention"] = retention(retention_scores(read_json(base_path)), retention_scores(results),
+                                             paired_stderr(read_samples(args.out), samples, args.out))
         results["settings"] = {k: v for k, v in vars(args).items() if k not in ("runs", "table")}
         write_eval(folder, results, samples)
         print(f"{run}: " + json.dumps({k: v for k, v in results.items() if k != "settings"}))

@@ -211,10 +211,11 @@ def plot(out, rows):
         a.scatter(r["retention"], r["gsm8k"])
         a.annotate(r["run"], (r["retention"], r["gsm8k"]))
         if r["mmd"] is not None and r["forgetting"] is not None:
-            b.scatter(r["mmd"], r["forgetting"])
+            b.errorbar(r["mmd"], r["forgetting"], yerr=r["forgetting_stderr"], fmt="o", capsize=3)
             b.annotate(r["run"], (r["mmd"], r["forgetting"]))
     a.set(xlabel="mean retention ratio", ylabel="GSM8K accuracy", title="target vs retention")
-    b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting", title="drift vs forgetting (P4)")
+    b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting (bars: one standard error)",
+          title="drift vs forgetting (P4)")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "results.png"), dpi=120)
     plt.close(fig)

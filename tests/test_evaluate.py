@@ -80,6 +80,50 @@ def test_retention_math_reproduces_table2():
         assert abs(r["retention"] - paper["retention"]) < 5e-4, run
 
 
+def test_forgettings_standard_error_pairs_each_question_with_the_base_answer():
+    def samples(task, right, prompts=None):
+        return [dict(task=task, index=i, prompt=(prompts or "q")[i % len(prompts or "q")], correct=bool(r))
+                for i, r in enumerate(right)]
+    assert abs(E.standard_error([1, 0, 1, 1]) - np.std([1, 0, 1, 1], ddof=1) / 2) < 1e-15  # lm-eval's mean_stderr
+    assert E.standard_error([1]) is None
+    base_mmlu, post_mmlu = [1, 1, 0, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 1, 1, 0]  # one question lost
+    base_tqa, post_tqa = [0, 1, 1, 0, 1, 0], [1, 0, 1, 0, 0, 0]
+    errors = E.paired_stderr(samples("mmlu", base_mmlu) + samples("truthfulqa", base_tqa),
+                             samples("truthfulqa", post_tqa) + samples("mmlu", post_mmlu))
+    mmlu_se = np.std(np.subtract(base_mmlu, post_mmlu), ddof=1) / np.sqrt(8)
+    tqa_se = np.std(np.subtract(base_tqa, post_tqa), ddof=1) / np.sqrt(6)
+    assert abs(errors["mmlu"] - mmlu_se) < 1e-15 and abs(errors["truthfulqa"] - tqa_se) < 1e-15
+    # the pairing is the point: the two scores' own errors combined would be over twice as large
+    unpaired = np.hypot(np.std(base_mmlu, ddof=1), np.std(post_mmlu, ddof=1)) / np.sqrt(8)
+    assert unpaired > 2 * errors["mmlu"]
+    got = E.retention({"truthfulqa": 0.5, "mmlu": 0.625}, {"truthfulqa": 1 / 3, "mmlu": 0.5}, errors)
+    assert abs(got["forgetting_stderr"] - np.hypot(mmlu_se, tqa_se) / 2) < 1e-15  # the mean of two independent tasks
+    assert got["per_task"]["mmlu"]["forgetting_stderr"] == errors["mmlu"]
+    assert "forgetting_stderr" not in E.retention({"mmlu": 0.6}, {"mmlu": 0.5})  # no answers to pair: no error
+    with pytest.raises(M.InputError, match="the base's answers in out are to other mmlu questions than this evaluation's"):
+        E.paired_stderr(samples("mmlu", base_mmlu, "ab"), samples("mmlu", post_mmlu, "ac"), "out")
+
+
+def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model, data_dir, tmp_path):
+    m, _ = M.load(tiny_model)
+    lora.add_lora(m, rank=2, alpha=4)
+    run = tmp_path / "stress"
+    lora.save_adapter(m, str(run))
+    (run / "run.json").write_text(json.dumps({"model": tiny_model}))
+    settings = dict(mmlu_limit=500, mmlu_shots=5, mmlu_scoring="letter", seed=1234, truthfulqa_limit=0)
+    (tmp_path / "eval.json").write_text(json.dumps({"mmlu": {"acc": 0.5}, "settings": settings}))
+    flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)]
+    with pytest.raises(M.InputError, match="eval.json scored mmlu with --mmlu-limit 500, this evaluation with 8; "
+                                           "forgetting compares the same questions: pass --mmlu-limit 500, or evaluate"):
+        E.main([str(run), "--mmlu-limit", "8", *flags])  # before any model is loaded
+    with pytest.raises(M.InputError, match="with --mmlu-scoring letter, this evaluation with text"):
+        E.main([str(run), "--mmlu-scoring", "text", *flags])
+    with pytest.raises(M.InputError, match="with --seed 1234, this evaluation with 7"):  # another subset of 500
+        E.main([str(run), "--seed", "7", *flags])
+    args = argparse.Namespace(tasks="mmlu,truthfulqa", **dict(settings, mmlu_limit=0, seed=7))
+    E.check_same_questions({"mmlu": {}, "settings": dict(settings, mmlu_limit=0)}, args, "eval.json")  # all: any seed
+
+
 def test_table_gives_small_drift_in_significant_digits():
     """A small model's MMD^2 can be 1e-5: fixed decimals would print every run as 0.00000."""
     run = lambda mmd2: {"eval": {"gsm8k": {"flexible": 0.5}}, "drift": {"mmd2": mmd2}}
@@ -156,8 +200,9 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
     assert base["gsm8k"]["n"] == 8 and base["mmlu"]["n"] == 8 and base["truthfulqa"]["n"] == 8
     samples = [json.loads(l) for l in (out / "eval_samples.jsonl").read_text().splitlines()]
     assert sorted({s["task"] for s in samples}) == ["gsm8k", "mmlu", "truthfulqa"] and len(samples) == 24
-    acc = sum(s["correct"] for s in samples if s["task"] == "mmlu") / 8
-    assert acc == base["mmlu"]["acc"]
+    mmlu_right = [s["correct"] for s in samples if s["task"] == "mmlu"]
+    assert sum(mmlu_right) / 8 == base["mmlu"]["acc"]
+    assert abs(base["mmlu"]["acc_stderr"] - np.std(mmlu_right, ddof=1) / np.sqrt(8)) < 1e-12
 
     # a run folder: base model + a random adapter gets retention against the base
     m, _ = M.load(tiny_model)
@@ -169,8 +214,9 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
     lora.save_adapter(m, str(run))
     subprocess.run(cmd + [str(run)], check=True, capture_output=True, text=True)
     result = json.loads((run / "eval.json").read_text())
-    expected = E.retention(E.retention_scores(base), E.retention_scores(result))
-    assert result["retention"] == expected and "forgetting" in expected
+    errors = E.paired_stderr(E.read_samples(str(out)), E.read_samples(str(run)))
+    expected = E.retention(E.retention_scores(base), E.retention_scores(result), errors)
+    assert result["retention"] == expected and "forgetting" in expected and "forgetting_stderr" in expected
     table = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--table", str(out)],
                            check=True, capture_output=True, text=True).stdout
     assert "| base |" in table and "| stress |" in table and "0.420" in table  # paper's stress GSM8K beside ours
@@ -196,7 +242,7 @@ def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     table = E.results_markdown({"step-000010": run(3e-5, 0.1), "step-000020": run(2e-5, 0.3),
                                 "step-000030": run(1e-5, 0.2)})
     assert "paper" not in table and " / " not in table
-    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.3000 | - | - | - |" in table
+    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.3000 | - | - | - | - |" in table
     pearson = np.corrcoef([3, 2, 1], [0.1, 0.3, 0.2])[0, 1]
     assert f"MMD against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f}." in table
     # one paper condition among them brings the paper's column back for every row
@@ -224,5 +270,5 @@ def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, d
     rows = [line for line in table.splitlines() if line.startswith("| step-")]
     assert [row.split(" | ")[0] for row in rows] == ["| step-000001", "| step-000002"]
     for row in rows:  # drift, forgetting against the base, the log's state_nll and the update norm are all there
-        run, gsm8k, truthfulqa, mmlu, mmd, forgetting, retention, state_nll, update_norm = row.strip("| ").split(" | ")
-        assert "-" not in (mmd, forgetting, state_nll, update_norm), row  # a random base may score 0: no retention
+        run, gsm8k, truthfulqa, mmlu, mmd, forgetting, stderr, retention, state_nll, update_norm = row.strip("| ").split(" | ")
+        assert "-" not in (mmd, forgetting, stderr, state_nll, update_norm), row  # a random base may score 0: no retention
