@@ -14,9 +14,11 @@ comes with its standard error over the questions as lm-evaluation-harness gives 
 forgetting with one that pairs each question with the base model's answer to it.
 """
 import argparse
+import itertools
 import json
 import math
 import os
+import random
 import re
 import statistics
 
@@ -348,18 +350,34 @@ def ranks(values):
     return out
 
 
+def permutation_p(x, y, rounds=10_000, seed=0):
+    """Two-sided p-value of the correlation of x and y under the hypothesis that they are
+    unrelated: the share of pairings of y's values with x whose correlation is at least as
+    far from zero as the observed one. Every pairing up to eight rows (40,320), else the
+    observed one and `rounds` random ones. With five rows, as in the paper's Table 2, no
+    p-value falls below 2/120 = 0.017, and only a perfect rank order reaches it."""
+    observed = abs(statistics.correlation(x, y)) * (1 - 1e-9)  # float sums of a permuted order may differ in the last bit
+    if len(y) <= 8:
+        pairings = list(itertools.permutations(y))
+    else:
+        rng = random.Random(seed)
+        pairings = [y] + [rng.sample(y, len(y)) for _ in range(rounds)]
+    return sum(abs(statistics.correlation(x, p)) >= observed for p in pairings) / len(pairings)
+
+
 def drift_vs_forgetting(rows, measure="mmd"):
     """The paper's P4 as two numbers: Spearman's rank correlation and Pearson's correlation
     between a drift measure (MMD^2 of the states, or the adapter's update_norm in weight
-    space) and forgetting over the rows that have both (the base has neither). None for
-    fewer than three such rows or a column without spread."""
+    space) and forgetting over the rows that have both (the base has neither), each with
+    its permutation p-value. None for fewer than three such rows or a column without spread."""
     pairs = [(r[measure], r["forgetting"]) for r in rows
              if r.get(measure) is not None and r.get("forgetting") is not None]
     drift, forgetting = [p[0] for p in pairs], [p[1] for p in pairs]
     if len(pairs) < 3 or len(set(drift)) < 2 or len(set(forgetting)) < 2:
         return None
     return dict(n=len(pairs), spearman=statistics.correlation(ranks(drift), ranks(forgetting)),
-                pearson=statistics.correlation(drift, forgetting))
+                spearman_p=permutation_p(ranks(drift), ranks(forgetting)),
+                pearson=statistics.correlation(drift, forgetting), pearson_p=permutation_p(drift, forgetting))
 
 
 def drift_forgetting_correlations(single_rows, measure="mmd"):
@@ -373,6 +391,12 @@ def fmt(x, spec=".3f", std=None):
     if x is None:
         return "-"
     return f"{x:{spec}}" + (f"±{std:{spec}}" if std is not None else "")
+
+
+def p_values(correlations):
+    # two decimals, except below 0.01, where they would print a p-value of 0
+    p = [f"{correlations[k]:.2f}" if correlations[k] >= 0.01 else f"{correlations[k]:.1g}" for k in ("spearman_p", "pearson_p")]
+    return f"p-values {p[0]} and {p[1]}"
 
 
 def results_markdown(runs):
@@ -412,22 +436,23 @@ def results_markdown(runs):
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?
         lines += ["", f"MMD against forgetting (P4) over the {ours['n']} {over}: Spearman's rank correlation "
-                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f}"]
+                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (two-sided permutation {p_values(ours)}"]
         if with_paper:
             paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()])
-            lines[-1] += f" (the paper's Table 2, {paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f})"
-        lines[-1] += "."
+            lines[-1] += (f"; the paper's Table 2, {paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f}, "
+                          f"{p_values(paper)}")
+        lines[-1] += ")."
         if seeds and single:
             lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
-                          f"{single['pearson']:.2f}.")
+                          f"{single['pearson']:.2f} ({p_values(single)}).")
     correlations = drift_forgetting_correlations(single_rows, "update_norm")
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # the same question in weight space, which the paper does not ask
         lines += ["", f"The update norm against forgetting over the {ours['n']} {over}: Spearman's "
-                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f}."]
+                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} ({p_values(ours)})."]
         if seeds and single:
             lines[-1] += (f" Over the {single['n']} single runs: {single['spearman']:.2f} and "
-                          f"{single['pearson']:.2f}.")
+                          f"{single['pearson']:.2f} ({p_values(single)}).")
     return "\n".join(lines) + "\n"
 
 

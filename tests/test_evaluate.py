@@ -1,4 +1,5 @@
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -144,14 +145,25 @@ def test_drift_against_forgetting_correlations():
     # the paper's Table 2: rank differences 0, 2, 2, 2, 2 over five runs give 1 - 6 * 16 / (5 * 24) = 0.2
     paper = E.drift_vs_forgetting([dict(run=n, **v) for n, v in E.PAPER.items()])
     assert paper["n"] == 5 and abs(paper["spearman"] - 0.2) < 1e-12
+    # its p-value by brute force: the share of the 120 orders of five ranks whose Spearman's is at least 0.2 from zero
+    orders = np.array(list(itertools.permutations(range(5))))
+    rho = 1 - 6 * ((orders - np.arange(5)) ** 2).sum(1) / (5 * 24)
+    assert paper["spearman_p"] == (np.abs(rho) >= 0.2 - 1e-12).mean() == 94 / 120
+    assert E.permutation_p([1, 2, 3, 4, 5], [2, 4, 6, 8, 11]) == 2 / 120  # only the order itself and its reverse
+    # beyond eight rows random pairings: a strong correlation stays rare among them, a weak one does not
+    x = list(range(12))
+    assert E.permutation_p(x, [v + 0.1 * (v % 3) for v in x]) < 0.001
+    assert E.permutation_p(x, [5, 1, 9, 0, 11, 3, 7, 2, 10, 6, 4, 8]) > 0.2
 
     run = lambda mmd2, forgetting: {"eval": {"retention": {"forgetting": forgetting}}, "drift": {"mmd2": mmd2}}
     table = E.results_markdown({"mild": run(1e-5, 0.0), "mild-seed1": run(3e-5, 0.02), "stress": run(2e-5, 0.3),
                                 "stress-seed1": run(4e-5, 0.5), "rl": run(6e-5, 0.01), "rl-seed1": run(4e-5, 0.03)})
     # condition means: MMD^2 2, 3, 5 (x 1e-5), forgetting 0.01, 0.4, 0.02: ranks 1, 2, 3 against 1, 3, 2
     pearson = np.corrcoef([2, 3, 5], [0.01, 0.4, 0.02])[0, 1]
-    assert (f"over the 3 post-trained conditions: Spearman's rank correlation 0.50, Pearson's {pearson:.2f} (the "
-            f"paper's Table 2, 5 runs: 0.20 and -0.08). Over the 6 single runs, each seed apart:") in table
+    # three rows have six pairings, of rank correlations 1, 0.5, 0.5, -0.5, -0.5 and -1: all as far from zero as 0.5
+    assert (f"over the 3 post-trained conditions: Spearman's rank correlation 0.50, Pearson's {pearson:.2f} (two-sided "
+            f"permutation p-values 1.00 and ") in table
+    assert "; the paper's Table 2, 5 runs: 0.20 and -0.08, p-values 0.78 and 0.88). Over the 6 single runs" in table
     assert "update norm against forgetting" not in table  # no adapter files, no update norms
 
     # the same question in weight space: the adapters' update norms against forgetting
@@ -161,7 +173,7 @@ def test_drift_against_forgetting_correlations():
     table = E.results_markdown(runs)
     pearson = np.corrcoef([2, 10, 2], [0.01, 0.4, 0.02])[0, 1]
     assert (f"The update norm against forgetting over the 3 post-trained conditions: Spearman's 0.87, Pearson's "
-            f"{pearson:.2f}.") in table  # ranks 1.5, 3, 1.5 against 1, 3, 2
+            f"{pearson:.2f} (p-values ") in table  # ranks 1.5, 3, 1.5 against 1, 3, 2
     assert "| stress | " in table and " | 10.00±1.41 |" in table
     header, rule, *rows = [line for line in table.splitlines() if line.startswith("|")]
     assert {line.count("|") for line in [header, rule] + rows} == {header.count("|")}  # no cell breaks the columns
@@ -244,7 +256,7 @@ def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     assert "paper" not in table and " / " not in table
     assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.3000 | - | - | - | - |" in table
     pearson = np.corrcoef([3, 2, 1], [0.1, 0.3, 0.2])[0, 1]
-    assert f"MMD against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f}." in table
+    assert f"MMD against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f} (" in table
     # one paper condition among them brings the paper's column back for every row
     assert "| step-000020 | 0.500 / - |" in E.results_markdown({"stress": run(1e-5, 0.4), "step-000020": run(2e-5, 0.3)})
 
