@@ -64,10 +64,11 @@ class LoRALinear(nn.Module):
         # copy would be kept for the backward pass
         A, B = self.lora_A[name].to(x.dtype), self.lora_B[name].to(x.dtype)
         p = self.dropout[name]
-        h = F.dropout(x, p, True) if p > 0 and self.training else x  # p=0 would still copy x
+        # p=0 would still copy x
+        down = DroppedDown.apply(x, A, p) if p > 0 and self.training else F.linear(x, A)
         # scale the (tokens, rank) product rather than the (tokens, out) one: the same result
         # for an elementwise pass over rank columns instead of out, forward and backward
-        return y + F.linear(F.linear(h, A) * self.scaling[name], B)
+        return y + F.linear(down * self.scaling[name], B)
 
     @torch.no_grad()
     def merge(self):
@@ -100,6 +101,33 @@ def wrap(model, targets=TARGETS):
                 wrapped.train(child.training)  # a new module starts in train mode; keep the model's mode
                 setattr(module, child_name, wrapped)
     return lora_layers(model)
+
+
+class DroppedDown(torch.autograd.Function):
+    """LoRA's down product over dropped-out inputs, F.linear(F.dropout(x, p), A), keeping for
+    the backward pass x, which the down products without dropout keep too (q, k and v share
+    it), and a one-byte mask. Autograd would also keep the dropped copy of x and the
+    dropout's noise: a Qwen3-0.6B step in bf16 at SFT's dropout of 0.05 kept 2.06 MiB per
+    token that way, 1.52 this way, 1.24 without dropout. The mask takes the very draws
+    F.dropout takes on the CPU, the noise the very values (1 / (1 - p) rounded to x's
+    dtype, or 0), and both gradients are formed as autograd forms them, so they are the
+    same to the bit."""
+
+    @staticmethod
+    def forward(ctx, x, A, p):
+        kept = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
+        ctx.scale = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
+        ctx.save_for_backward(x, kept, A)
+        return F.linear(x * (kept * ctx.scale), A)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, kept, A = ctx.saved_tensors
+        noise = kept * ctx.scale
+        grad = grad.reshape(-1, grad.shape[-1])  # (tokens, rank)
+        d_x = grad.mm(A).view(x.shape) * noise if ctx.needs_input_grad[0] else None
+        d_A = (x * noise).reshape(-1, x.shape[-1]).t().mm(grad).t() if ctx.needs_input_grad[1] else None
+        return d_x, d_A, None
 
 
 def add_lora(model, rank=16, alpha=32, dropout=0.0, targets=TARGETS, name="default", activate=True):
@@ -391,7 +419,7 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--micro-batch-tokens", type=number(int, 0), default=8192,
                    help="most tokens, padding included, in one forward and backward pass; a step's sequences are split "
                         "into micro-batches under it (0 = no bound). 8192 holds Qwen3-0.6B's bf16 activations to "
-                        "about 10 GB")
+                        "about 10 GB, 12 GB with SFT's LoRA dropout")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each layer's matrix products and attention outputs for the backward pass and "
                         "recompute the rest: less activation memory for a little more time, the same gradients")

@@ -149,23 +149,27 @@ def test_adapter_for_other_base_is_a_one_line_error(tiny_models, tmp_path):
         lora.load_adapter(ours, str(tmp_path / "nothing"))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_lora_gradients_equal_pefts(tiny_model, tmp_path, dtype):
+@pytest.mark.parametrize("dtype,dropout", [("fp32", 0.0), ("bf16", 0.0), ("fp32", 0.2)])
+def test_lora_gradients_equal_pefts(tiny_model, tmp_path, dtype, dropout):
     # the whole training pass against transformers + peft: our norms', MLP's, attention's
-    # and output layer's backward passes, with the same adapter and transformers' own loss
+    # and output layer's backward passes, with the same adapter and transformers' own loss;
+    # with dropout, both draw each layer's mask from the same generator in the same order
     from peft import PeftModel
     from transformers import Qwen3ForCausalLM
     ours, tok = M.load(tiny_model, dtype=dtype)
-    lora.add_lora(ours, rank=4, alpha=8)
+    lora.add_lora(ours, rank=4, alpha=8, dropout=dropout)
     randomize_adapter(ours, "default", seed=2)  # B != 0, so every LoRA matrix gets a gradient
     lora.save_adapter(ours, str(tmp_path / "adapter"))
     base = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
     ref = PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True)
+    ours.train(), ref.train()  # dropout draws in training mode only
     texts = ["Question: Tom has 12 marbles and gives 5 away. How many are left?\nAnswer: 7",
              "Question: A box holds 6 eggs. How many eggs are in 4 boxes?\nAnswer: 24"]
     length = min(len(tok.encode(t)) for t in texts)
     ids = torch.tensor([tok.encode(t)[:length] for t in texts])  # one length: no padding on either side
+    torch.manual_seed(5)
     (-M.sequence_logprobs(ours, ids.tolist(), [1, 1])[0].mean()).backward()
+    torch.manual_seed(5)
     ref(input_ids=ids, labels=ids).loss.backward()
     theirs = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
     got = {f"base_model.model.{n}.weight": p.grad for n, p in ours.named_parameters() if p.requires_grad}
@@ -176,6 +180,30 @@ def test_lora_gradients_equal_pefts(tiny_model, tmp_path, dtype):
         # adapter's products in fp32
         bound = 1e-5 * scale if dtype == "fp32" else 5e-2 * scale
         assert scale > 0 and (grad - theirs[name]).abs().max() <= bound, name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lora_dropout_keeps_a_one_byte_mask_and_computes_what_autograd_does(dtype):
+    x0, A0 = torch.randn(2, 32, 64, dtype=dtype), torch.randn(8, 64, dtype=dtype)
+    results, kept = [], []
+    for down in (lambda x, A: torch.nn.functional.linear(torch.nn.functional.dropout(x, 0.1, True), A),
+                 lambda x, A: lora.DroppedDown.apply(x, A, 0.1)):
+        x, A = x0.clone().requires_grad_(), A0.clone().requires_grad_()
+        saved = {}  # storage -> bytes of what the backward pass keeps, x itself aside
+
+        def keep(t):
+            if t.untyped_storage().data_ptr() != x.untyped_storage().data_ptr():
+                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        torch.manual_seed(3)
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+            out = down(x, A)
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=dtype))
+        results.append((out, x.grad, A.grad))
+        kept.append(sum(saved.values()) - A.numel() * A.element_size())
+    assert all(torch.equal(a, b) for a, b in zip(*results))  # the same draws, values and gradients, to the bit
+    assert kept[1] == x0.numel()  # one byte an element, where autograd keeps x's dropped copy and the noise
+    assert kept[0] == 2 * x0.numel() * x0.element_size()
 
 
 def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_path):
