@@ -64,7 +64,7 @@ class LoRALinear(nn.Module):
         # copy would be kept for the backward pass
         A, B = self.lora_A[name].to(x.dtype), self.lora_B[name].to(x.dtype)
         p = self.dropout[name]
-        # p=0 would still copy x
+        # (dropout at p=0 would still copy x)
         down = DroppedDown.apply(x, A, p) if p > 0 and self.training else F.linear(x, A)
         # scale the (tokens, rank) product rather than the (tokens, out) one: the same result
         # for an elementwise pass over rank columns instead of out, forward and backward
@@ -117,6 +117,9 @@ class DroppedDown(torch.autograd.Function):
     def forward(ctx, x, A, p):
         kept = torch.empty_like(x, dtype=torch.bool).bernoulli_(1 - p)
         ctx.scale = torch.ones((), dtype=x.dtype, device=x.device).div_(1 - p)
+        # under autocast (CUDA training) the product ran in its dtype: so must the backward's
+        ctx.autocast = dict(device_type=x.device.type, enabled=torch.is_autocast_enabled(x.device.type),
+                            dtype=torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x, kept, A)
         return F.linear(x * (kept * ctx.scale), A)
 
@@ -125,8 +128,9 @@ class DroppedDown(torch.autograd.Function):
         x, kept, A = ctx.saved_tensors
         noise = kept * ctx.scale
         grad = grad.reshape(-1, grad.shape[-1])  # (tokens, rank)
-        d_x = grad.mm(A).view(x.shape) * noise if ctx.needs_input_grad[0] else None
-        d_A = (x * noise).reshape(-1, x.shape[-1]).t().mm(grad).t() if ctx.needs_input_grad[1] else None
+        with torch.autocast(**ctx.autocast):
+            d_x = grad.mm(A).view(x.shape) * noise if ctx.needs_input_grad[0] else None
+            d_A = (x * noise).reshape(-1, x.shape[-1]).t().mm(grad).t() if ctx.needs_input_grad[1] else None
         return d_x, d_A, None
 
 

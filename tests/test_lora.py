@@ -182,8 +182,9 @@ def test_lora_gradients_equal_pefts(tiny_model, tmp_path, dtype, dropout):
         assert scale > 0 and (grad - theirs[name]).abs().max() <= bound, name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lora_dropout_keeps_a_one_byte_mask_and_computes_what_autograd_does(dtype):
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_lora_dropout_keeps_a_one_byte_mask_and_computes_what_autograd_does(dtype, autocast):
+    # autocast: products in bf16 over fp32 inputs, as training on CUDA runs them
     x0, A0 = torch.randn(2, 32, 64, dtype=dtype), torch.randn(8, 64, dtype=dtype)
     results, kept = [], []
     for down in (lambda x, A: torch.nn.functional.linear(torch.nn.functional.dropout(x, 0.1, True), A),
@@ -196,14 +197,13 @@ def test_lora_dropout_keeps_a_one_byte_mask_and_computes_what_autograd_does(dtyp
                 saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         torch.manual_seed(3)
-        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), torch.autocast("cpu", enabled=autocast):
             out = down(x, A)
         out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=dtype))
         results.append((out, x.grad, A.grad))
         kept.append(sum(saved.values()) - A.numel() * A.element_size())
     assert all(torch.equal(a, b) for a, b in zip(*results))  # the same draws, values and gradients, to the bit
-    assert kept[1] == x0.numel()  # one byte an element, where autograd keeps x's dropped copy and the noise
-    assert kept[0] == 2 * x0.numel() * x0.element_size()
+    assert kept[1] == x0.numel() < kept[0]  # one byte an element, where autograd keeps x's dropped copy and the noise
 
 
 def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_path):
