@@ -34,11 +34,11 @@ from common import M, add_args, build, markdown, ours_on, products_alone, race, 
 import lora  # noqa: E402  (common put the repository on the path)
 
 
-def our_step(base, config_dir, ids, rank, recompute):
+def our_step(base, config_dir, ids, rank, recompute, dropout):
     """sft.py's step on our model, reading base's (frozen) weights, with its own adapter."""
     model = ours_on(base, config_dir)
     torch.manual_seed(0)
-    lora.add_lora(model, rank, 2 * rank)
+    lora.add_lora(model, rank, 2 * rank, dropout)
     model.train()
     model.recompute = recompute  # sft.py --recompute
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-4)
@@ -46,10 +46,10 @@ def our_step(base, config_dir, ids, rank, recompute):
     return training_step(lambda: -M.sequence_logprobs(model, seqs, [1] * len(seqs))[0].mean(), optimizer)
 
 
-def peft_step(ref, ids, rank):
+def peft_step(ref, ids, rank, dropout):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
-    model = get_peft_model(ref, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0,
+    model = get_peft_model(ref, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
                                            target_modules=list(lora.TARGETS)))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
@@ -73,6 +73,7 @@ def main():
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--length", type=int, default=256)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout on both sides (sft.py's default: 0.05)")
     p.add_argument("--steps", type=int, default=5, help="timed steps of each after one warm-up step, taken in turns")
     args = p.parse_args()
     device = setup(args)
@@ -82,8 +83,8 @@ def main():
         base, ref = build(args.config, dtype, device)
         ids = random_ids(args.config, (args.batch, args.length), seed=1).to(device)
         # ours first: peft wraps ref's modules in place
-        steps = [our_step(base, args.config, ids, args.rank, recompute) for recompute in (False, True)]
-        steps.append(peft_step(ref, ids, args.rank))
+        steps = [our_step(base, args.config, ids, args.rank, recompute, args.dropout) for recompute in (False, True)]
+        steps.append(peft_step(ref, ids, args.rank, args.dropout))
         first_losses = [step() for step in steps]  # warm-up; creates the optimizer states, which all then hold
         products = products_alone(base, args.batch * args.length, backward=True)
         products()  # warm-up
