@@ -218,7 +218,7 @@ def read_samples(folder):
         return [json.loads(line) for line in f]
 
 
-def paired_stderr(base_samples, post_samples, base_folder="the base"):
+def paired_stderr(base_samples, post_samples, base_folder):
     """The standard error of each retention task's forgetting from its finite questions.
     Base and post answer the same questions, so it is the error of the mean of the
     per-question differences (base right minus post right): smaller than the two scores'

@@ -90,7 +90,7 @@ def test_forgettings_standard_error_pairs_each_question_with_the_base_answer():
     base_mmlu, post_mmlu = [1, 1, 0, 1, 0, 1, 1, 0], [1, 1, 0, 0, 0, 1, 1, 0]  # one question lost
     base_tqa, post_tqa = [0, 1, 1, 0, 1, 0], [1, 0, 1, 0, 0, 0]
     errors = E.paired_stderr(samples("mmlu", base_mmlu) + samples("truthfulqa", base_tqa),
-                             samples("truthfulqa", post_tqa) + samples("mmlu", post_mmlu))
+                             samples("truthfulqa", post_tqa) + samples("mmlu", post_mmlu), "out")
     mmlu_se = np.std(np.subtract(base_mmlu, post_mmlu), ddof=1) / np.sqrt(8)
     tqa_se = np.std(np.subtract(base_tqa, post_tqa), ddof=1) / np.sqrt(6)
     assert abs(errors["mmlu"] - mmlu_se) < 1e-15 and abs(errors["truthfulqa"] - tqa_se) < 1e-15
@@ -226,7 +226,7 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path):
     lora.save_adapter(m, str(run))
     subprocess.run(cmd + [str(run)], check=True, capture_output=True, text=True)
     result = json.loads((run / "eval.json").read_text())
-    errors = E.paired_stderr(E.read_samples(str(out)), E.read_samples(str(run)))
+    errors = E.paired_stderr(E.read_samples(str(out)), E.read_samples(str(run)), str(out))
     expected = E.retention(E.retention_scores(base), E.retention_scores(result), errors)
     assert result["retention"] == expected and "forgetting" in expected and "forgetting_stderr" in expected
     table = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--table", str(out)],
