@@ -375,8 +375,9 @@ def drift_vs_forgetting(rows, measure="mmd"):
     drift, forgetting = [p[0] for p in pairs], [p[1] for p in pairs]
     if len(pairs) < 3 or len(set(drift)) < 2 or len(set(forgetting)) < 2:
         return None
-    return dict(n=len(pairs), spearman=statistics.correlation(ranks(drift), ranks(forgetting)),
-                spearman_p=permutation_p(ranks(drift), ranks(forgetting)),
+    drift_ranks, forgetting_ranks = ranks(drift), ranks(forgetting)
+    return dict(n=len(pairs), spearman=statistics.correlation(drift_ranks, forgetting_ranks),
+                spearman_p=permutation_p(drift_ranks, forgetting_ranks),
                 pearson=statistics.correlation(drift, forgetting), pearson_p=permutation_p(drift, forgetting))
 
 
