@@ -445,15 +445,25 @@ class Qwen3(nn.Module):
         # outputs for the backward pass and recomputes the elementwise rest (see keep_costly)
         self.recompute = False
 
-    def forward(self, input_ids, attention_mask=None, cache=None, hidden_only=False):
+    def forward(self, input_ids, attention_mask=None, cache=None, hidden_only=False, segments=None):
         """input_ids (B, T). attention_mask (B, past+T) of 1 for real tokens and 0 for left
-        padding, covering the cached positions too. Returns logits (B, T, vocab), or the
-        final hidden states (B, T, hidden) with hidden_only=True so the caller can take
-        logits only where it needs them."""
+        padding, covering the cached positions too. segments (B, T), without a cache: rows
+        holding several sequences one after another, each a run of equal ids, that attend
+        only within their own run and count positions from its start (sequence_states).
+        Returns logits (B, T, vocab), or the final hidden states (B, T, hidden) with
+        hidden_only=True so the caller can take logits only where it needs them."""
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
         device = input_ids.device
-        if attention_mask is None:
+        if segments is not None:
+            if cache is not None or attention_mask is not None:
+                raise ValueError("segments are for training passes, without a cache or an attention_mask")
+            index = torch.arange(T, device=device)
+            starts = torch.ones_like(segments, dtype=torch.bool)
+            starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+            positions = index - torch.where(starts, index, 0).cummax(-1).values
+            mask = ((index[None, :] <= index[:, None])[None] & (segments[:, :, None] == segments[:, None, :]))[:, None]
+        elif attention_mask is None:
             positions = torch.arange(past, past + T, device=device).expand(B, T)
             mask = None
             if past > 0 and T > 1:
@@ -687,30 +697,66 @@ def left_pad(seqs, pad_id, device=None):
     return ids.to(device), mask.to(device)
 
 
-def sequence_states(model, sequences, starts, pad_id=0):
+def fill_rows(lengths):
+    """Sequence indices grouped into rows as long as the longest sequence, each sequence in
+    the first row with room for it, longest first (first-fit decreasing). A batch's
+    lengths vary (GSM8K's questions with their solutions by about threefold), and one
+    sequence to a row would spend on padding about as much as on the tokens."""
+    rows, room = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(max(lengths))
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return rows
+
+
+def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
     """Hidden states of every state (seq[:t]) whose next token seq[t] is trained on, for t
-    in [start, len(seq)) of each sequence. Returns (states (N, hidden), targets (N,), row (N,)).
-    Sequences are right-padded: causal attention alone keeps padding out of real tokens,
-    so no mask is needed and the fast causal kernel is used."""
+    in [start, len(seq)) of each sequence. Returns (states (N, hidden), targets (N,), row (N,)),
+    sequence by sequence in the given order. Short sequences share a row (fill_rows),
+    each attending only to itself (share_rows=False: one row each, as bench/train_step.py
+    compares); where every sequence has a row of its own, rows are right-padded, causal
+    attention alone keeps padding out of real tokens, and the pass runs the causal kernel
+    with no mask."""
     device = model.lm_head.weight.device
-    L = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), L), pad_id, dtype=torch.long)
-    rows, cols = [], []
     for b, (s, start) in enumerate(zip(sequences, starts)):
         if not 1 <= start <= len(s):
             raise ValueError(f"sequence {b}: start {start} outside [1, {len(s)}]")
-        ids[b, :len(s)] = torch.tensor(s)
-        rows += [b] * (len(s) - start)
-        cols += range(start, len(s))
+    rows = fill_rows([len(s) for s in sequences]) if share_rows else None
+    shared = rows is not None and len(rows) < len(sequences)
+    if not shared:
+        rows = [[b] for b in range(len(sequences))]  # the given order, as unshared passes always ran
+    L = max(len(s) for s in sequences)
+    ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+    segments = torch.full((len(rows), L), -1, dtype=torch.long)  # padding: a run of its own
+    where = {}  # sequence -> (row, column of its first token)
+    for r, members in enumerate(rows):
+        column = 0
+        for b in members:
+            s = sequences[b]
+            ids[r, column:column + len(s)] = torch.tensor(s)
+            segments[r, column:column + len(s)] = b
+            where[b] = (r, column)
+            column += len(s)
+    state_rows, cols, seq_of_state = [], [], []
+    for b, (s, start) in enumerate(zip(sequences, starts)):
+        r, column = where[b]
+        state_rows += [r] * (len(s) - start)
+        cols += range(column + start, column + len(s))
+        seq_of_state += [b] * (len(s) - start)
     ids = ids.to(device)
-    rows, cols = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
-    hidden = model(ids, hidden_only=True)
-    return hidden[rows, cols - 1], ids[rows, cols], rows
+    state_rows, cols, seq_of_state = (torch.tensor(x, dtype=torch.long, device=device) for x in (state_rows, cols, seq_of_state))
+    hidden = model(ids, hidden_only=True, segments=segments.to(device) if shared else None)
+    return hidden[state_rows, cols - 1], ids[state_rows, cols], seq_of_state
 
 
-def sequence_logprobs(model, sequences, starts, pad_id=0):
+def sequence_logprobs(model, sequences, starts, pad_id=0, share_rows=True):
     """log p(seq[t] | seq[:t]) in fp32 for t in [start, len(seq)); flat (N,) with row ids (N,)."""
-    states, targets, rows = sequence_states(model, sequences, starts, pad_id)
+    states, targets, rows = sequence_states(model, sequences, starts, pad_id, share_rows)
     return model.token_logprobs(states, targets), rows
 
 

@@ -23,8 +23,17 @@ product over the batch's tokens and its product for the gradient with respect to
 input), work no implementation of this step can skip. peft's step over that time
 ("ceiling") is the most ours could gain over peft by cutting everything else.
 
+With --gsm8k-batch N the batch is instead sft.py's first batch of N GSM8K training
+examples at their own lengths (question, answer and the loss on the answer tokens, as
+sft.py trains; lengths in tokens are the texts' characters over 4, since Qwen3's tokenizer
+is not at hand offline: the spread of lengths is what matters here). It times ours with
+short sequences sharing rows (model.fill_rows, what the scripts run), ours with one row
+per sequence, right-padded, and peft on the same right-padded batch with its attention
+mask and the padding and prompts left out of the loss, as TRL pads a batch.
+
     python bench/train_step.py
     python bench/train_step.py --dtypes bf16 --steps 1
+    python bench/train_step.py --dtypes bf16 --gsm8k-batch 16 --steps 3
 """
 import argparse
 
@@ -34,7 +43,7 @@ from common import M, add_args, build, markdown, ours_on, products_alone, race, 
 import lora  # noqa: E402  (common put the repository on the path)
 
 
-def our_step(base, config_dir, ids, rank, recompute, dropout):
+def our_step(base, config_dir, seqs, starts, rank, recompute, dropout, share_rows=True):
     """sft.py's step on our model, reading base's (frozen) weights, with its own adapter."""
     model = ours_on(base, config_dir)
     torch.manual_seed(0)
@@ -42,18 +51,65 @@ def our_step(base, config_dir, ids, rank, recompute, dropout):
     model.train()
     model.recompute = recompute  # sft.py --recompute
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-4)
-    seqs = ids.tolist()
-    return training_step(lambda: -M.sequence_logprobs(model, seqs, [1] * len(seqs))[0].mean(), optimizer)
+    return training_step(lambda: -M.sequence_logprobs(model, seqs, starts, share_rows=share_rows)[0].mean(), optimizer)
 
 
-def peft_step(ref, ids, rank, dropout):
+def peft_step(ref, ids, rank, dropout, attention_mask=None, labels=None):
     from peft import LoraConfig, get_peft_model
     torch.manual_seed(0)
     model = get_peft_model(ref, LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout,
                                            target_modules=list(lora.TARGETS)))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    return training_step(lambda: model(input_ids=ids, labels=ids).loss, optimizer)
+    labels = ids if labels is None else labels
+    return training_step(lambda: model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss, optimizer)
+
+
+def gsm8k_batch(config_dir, n, data_dir):
+    """sft.py's first batch of n examples: random ids at the lengths of their texts (4
+    characters to a token), and where each one's answer starts."""
+    import data
+    rows = data.load_gsm8k("train", data_dir)
+    batch = [rows[i] for i in data.batch_indices(len(rows), 0, n, seed=0)]
+    prompts = [data.gsm8k_prompt(r["question"]) for r in batch]
+    lengths = [round(len(p + " " + r["answer"]) / 4) + 1 for p, r in zip(prompts, batch)]  # + end-of-text
+    starts = [round(len(p) / 4) for p in prompts]
+    ids = random_ids(config_dir, (n, max(lengths)), seed=1)
+    return [row[:length] for row, length in zip(ids.tolist(), lengths)], starts
+
+
+def ragged(args, device):
+    """The --gsm8k-batch table: rows shared, one row each, peft; all on the same batch."""
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        _, dtype = M.resolve_device(device, dtype_name)
+        base, ref = build(args.config, dtype, device)
+        seqs, starts = gsm8k_batch(args.config, args.gsm8k_batch, args.data_dir)
+        ids, mask = M.left_pad([s[::-1] for s in seqs], 0)  # right padding: each row reversed, padded, reversed back
+        ids, mask = ids.flip(1).to(device), mask.flip(1).to(device)
+        labels = ids.masked_fill(mask == 0, -100)
+        for row, start in enumerate(starts):
+            labels[row, :start] = -100  # a token is learned where it is the answer's, as in sft.py
+        steps = [our_step(base, args.config, seqs, starts, args.rank, False, args.dropout, share)
+                 for share in (True, False)]
+        steps.append(peft_step(ref, ids, args.rank, args.dropout, mask, labels))
+        first_losses = [step() for step in steps]
+        timing = race(steps, device, args.steps)
+        peaks = [step_peak_memory(step, device) for step in steps]
+        n_rows = len(M.fill_rows([len(s) for s in seqs]))
+        tokens = sum(len(s) for s in seqs)
+        for i, layout in enumerate((f"{n_rows} shared rows", f"{len(seqs)} rows")):
+            rows.append((dtype_name, f"{len(seqs)}, {min(map(len, seqs))} to {max(map(len, seqs))}",
+                         f"{tokens / (n_rows if i == 0 else len(seqs)) / max(map(len, seqs)):.0%}", layout,
+                         f"{timing.best[i]:.3f}", f"{timing.best[2]:.3f}", *timing.ratio_cells(2, i),
+                         f"{peaks[i] / 2**20:.0f}", f"{peaks[2] / 2**20:.0f}", f"{peaks[i] / peaks[2]:.2f}x",
+                         f"{first_losses[i]:.4f} / {first_losses[2]:.4f}"))
+            print(" ".join(rows[-1]), flush=True)
+        del steps, base, ref
+    print()
+    print(markdown(["dtype", "sequences, tokens each", "real tokens", "ours", "ours s/step", "peft s/step",
+                    "speed ratio", "speed ratio's range", "ours peak MiB", "peft peak MiB", "memory ratio",
+                    "first loss ours / peft"], rows))
 
 
 def training_step(compute_loss, optimizer):
@@ -75,15 +131,22 @@ def main():
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout on both sides (sft.py's default: 0.05)")
     p.add_argument("--steps", type=int, default=5, help="timed steps of each after one warm-up step, taken in turns")
+    p.add_argument("--gsm8k-batch", type=int, default=0,
+                   help="instead of --batch x --length: sft.py's first N GSM8K examples at their own lengths")
+    p.add_argument("--data-dir", default=None, help="GSM8K files for --gsm8k-batch (default: $STATES_DATA, else fetched)")
     args = p.parse_args()
     device = setup(args)
+    if args.gsm8k_batch:
+        return ragged(args, device)
     rows, anatomy = [], []
     for dtype_name in args.dtypes.split(","):
         _, dtype = M.resolve_device(device, dtype_name)
         base, ref = build(args.config, dtype, device)
         ids = random_ids(args.config, (args.batch, args.length), seed=1).to(device)
         # ours first: peft wraps ref's modules in place
-        steps = [our_step(base, args.config, ids, args.rank, recompute, args.dropout) for recompute in (False, True)]
+        seqs = ids.tolist()
+        steps = [our_step(base, args.config, seqs, [1] * len(seqs), args.rank, recompute, args.dropout)
+                 for recompute in (False, True)]
         steps.append(peft_step(ref, ids, args.rank, args.dropout))
         first_losses = [step() for step in steps]  # warm-up; creates the optimizer states, which all then hold
         products = products_alone(base, args.batch * args.length, backward=True)

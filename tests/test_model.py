@@ -575,3 +575,58 @@ def test_packing_is_skipped_where_onednns_linear_is_missing_or_wrong(monkeypatch
             assert torch.equal(model(ids), plain)
         monkeypatch.undo()
     M.onednn_linear_works.cache_clear()
+
+
+def test_fill_rows_puts_each_sequence_once_in_a_row_with_room_longest_first():
+    lengths = [5, 9, 2, 4, 7, 3, 9]
+    rows = M.fill_rows(lengths)
+    assert sorted(b for row in rows for b in row) == list(range(len(lengths)))
+    assert all(sum(lengths[b] for b in row) <= max(lengths) for row in rows)
+    # 9 | 9 | 7+2 | 5+4 | 3: each in the first row with room, in decreasing length
+    assert rows == [[1], [6], [4, 2], [0, 3], [5]]
+    assert M.fill_rows([4, 4, 4]) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("name", list(TINY_CONFIGS))
+def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradients(tiny_models, name, monkeypatch):
+    import lora
+    m, tok = M.load(tiny_models[name])
+    torch.manual_seed(0)
+    lora.add_lora(m, rank=4, alpha=8)
+    with torch.no_grad():
+        for p in lora.lora_parameters(m):
+            p.normal_(0, 0.1)
+    texts = ["Question: Janet has 3 apples and buys 5 more. How many apples now?\nAnswer: 8", "2 + 2?",
+             "Question: a pen costs 4 dollars.\nAnswer:", "x", "Answer: 12 eggs", "Question: 7 * 6?\nAnswer: 42"]
+    seqs = [tok.encode(t) for t in texts]
+    starts = [max(1, len(s) // 2) for s in seqs]
+    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)  # rows are shared here
+
+    calls, positions = [], []
+    plain_forward, plain_rotary = m.forward, M.rotary_cos_sin
+    m.forward = lambda *a, **k: calls.append(k.get("segments")) or plain_forward(*a, **k)
+    monkeypatch.setattr(M, "rotary_cos_sin", lambda p, *a: positions.append(p) or plain_rotary(p, *a))
+    states, targets, rows = M.sequence_states(m, seqs, starts, tok.pad_id)
+    # rotary sees relative positions only, so this is checked here rather than in the values:
+    # each sequence counts its positions from 0, wherever it lies in its row
+    for row, segment in zip(positions[0].tolist(), calls[0].tolist()):
+        for b in set(segment) - {-1}:
+            assert [p for p, s in zip(row, segment) if s == b] == list(range(len(seqs[b])))
+    m.token_logprobs(states, targets).sum().backward()
+    shared_grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
+    m.zero_grad(set_to_none=True)
+    assert calls[0] is not None
+    calls.clear()
+
+    alone = [M.sequence_states(m, [s], [start], tok.pad_id) for s, start in zip(seqs, starts)]
+    assert calls == [None] * len(seqs)  # one sequence to a row: no segments, the causal kernel
+    alone_states = torch.cat([a[0] for a in alone])
+    assert torch.equal(targets, torch.cat([a[1] for a in alone]))
+    m.token_logprobs(alone_states, targets).sum().backward()
+    assert torch.equal(rows, torch.cat([torch.full_like(a[2], b) for b, a in enumerate(alone)]))
+    assert (states - alone_states).abs().max() < 1e-5
+    for n, p in m.named_parameters():
+        if p.requires_grad:
+            assert (shared_grads[n] - p.grad).abs().max() <= 1e-4 * p.grad.abs().max(), n
+    with pytest.raises(ValueError, match="segments"):
+        m(torch.tensor([seqs[0]]), cache=m.new_cache(1, 40), segments=torch.zeros(1, len(seqs[0]), dtype=torch.long))
