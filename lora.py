@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import InputError, linear, number
+from model import InputError, fill_rows, linear, number
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -394,16 +394,17 @@ def optimizer_step(optimizer, step, total_steps, args):
 def micro_batches(lengths, grad_accum, max_tokens):
     """[lo, hi) ranges splitting a step's sequences, in their order, into the micro-batches
     that each run one forward and backward pass: at least grad_accum of them, and each at
-    most max_tokens tokens once padded to its longest sequence (0: no bound), a sequence
-    longer than that alone. The scripts weigh each micro-batch by its share of the step's
-    tokens, so any split gives the same update up to float rounding."""
+    most max_tokens tokens as it runs, padding included (0: no bound), in rows as long as
+    its longest sequence that short sequences share (model.fill_rows); a sequence longer
+    than that alone. The scripts weigh each micro-batch by its share of the step's tokens,
+    so any split gives the same update up to float rounding."""
     most_sequences = math.ceil(len(lengths) / grad_accum)
-    ranges, lo, longest = [], 0, 0
-    for i, length in enumerate(lengths):
-        longest = max(longest, length)
-        if i > lo and (i - lo == most_sequences or 0 < max_tokens < (i - lo + 1) * longest):
+    ranges, lo = [], 0
+    for i in range(1, len(lengths)):
+        part = lengths[lo:i + 1]
+        if i - lo == most_sequences or 0 < max_tokens < len(fill_rows(part)) * max(part):
             ranges.append((lo, i))
-            lo, longest = i, length
+            lo = i
     return ranges + [(lo, len(lengths))] if lengths else ranges
 
 

@@ -229,10 +229,13 @@ def test_micro_batches_split_in_order_under_the_token_bound():
     # without a bound, --grad-accum alone: ceil(8 / n) sequences a pass
     assert lora.micro_batches(lengths, 1, 0) == [(0, 8)]
     assert lora.micro_batches(lengths, 3, 0) == [(0, 3), (3, 6), (6, 8)]
-    # 18 tokens: each pass's count times its longest length stays at most 18
-    assert lora.micro_batches(lengths, 1, 18) == [(0, 2), (2, 4), (4, 5), (5, 8)]
+    # 18 tokens: each pass's rows (short sequences sharing one) times its longest length stay
+    # at most 18: 9 | 5 3 is two rows of 9, adding a 3 would make three
+    assert lora.micro_batches(lengths, 1, 18) == [(0, 3), (3, 4), (4, 5), (5, 8)]
     # the bound and --grad-accum together: whichever splits first
     assert lora.micro_batches(lengths, 4, 18) == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
     # a sequence longer than the bound runs alone rather than not at all
     assert lora.micro_batches(lengths, 1, 10) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
+    # sharing rows fits more sequences a pass than one row each would: 3 x 9 = 27
+    assert lora.micro_batches([9, 3, 3, 3, 9], 1, 27) == [(0, 5)]
     assert lora.micro_batches([], 2, 10) == []
