@@ -29,7 +29,8 @@ sft.py trains; lengths in tokens are the texts' characters over 4, since Qwen3's
 is not at hand offline: the spread of lengths is what matters here). It times ours with
 short sequences sharing rows (model.fill_rows, what the scripts run), ours with one row
 per sequence, right-padded, and peft on the same right-padded batch with its attention
-mask and the padding and prompts left out of the loss, as TRL pads a batch.
+mask and the padding and prompts left out of the loss, as TRL pads a batch
+(--without-peft: the first two alone, the second the reference).
 
     python bench/train_step.py
     python bench/train_step.py --dtypes bf16 --steps 1
@@ -92,24 +93,29 @@ def ragged(args, device):
             labels[row, :start] = -100  # a token is learned where it is the answer's, as in sft.py
         steps = [our_step(base, args.config, seqs, starts, args.rank, False, args.dropout, share)
                  for share in (True, False)]
-        steps.append(peft_step(ref, ids, args.rank, args.dropout, mask, labels))
+        if not args.without_peft:
+            steps.append(peft_step(ref, ids, args.rank, args.dropout, mask, labels))
         first_losses = [step() for step in steps]
         timing = race(steps, device, args.steps)
         peaks = [step_peak_memory(step, device) for step in steps]
         n_rows = len(M.fill_rows([len(s) for s in seqs]))
         tokens = sum(len(s) for s in seqs)
         for i, layout in enumerate((f"{n_rows} shared rows", f"{len(seqs)} rows")):
+            # the reference: peft, else ours with a row per sequence (whose row then reads 1.00x)
+            ref_i = 2 if len(steps) == 3 else 1
             rows.append((dtype_name, f"{len(seqs)}, {min(map(len, seqs))} to {max(map(len, seqs))}",
                          f"{tokens / (n_rows if i == 0 else len(seqs)) / max(map(len, seqs)):.0%}", layout,
-                         f"{timing.best[i]:.3f}", f"{timing.best[2]:.3f}", *timing.ratio_cells(2, i),
-                         f"{peaks[i] / 2**20:.0f}", f"{peaks[2] / 2**20:.0f}", f"{peaks[i] / peaks[2]:.2f}x",
-                         f"{first_losses[i]:.4f} / {first_losses[2]:.4f}"))
+                         f"{timing.best[i]:.3f}", "-" if ref_i == 1 else f"{timing.best[2]:.3f}",
+                         *timing.ratio_cells(ref_i, i), f"{peaks[i] / 2**20:.0f}",
+                         "-" if ref_i == 1 else f"{peaks[2] / 2**20:.0f}", f"{peaks[i] / peaks[ref_i]:.2f}x",
+                         f"{first_losses[i]:.4f} / {first_losses[ref_i]:.4f}"))
             print(" ".join(rows[-1]), flush=True)
         del steps, base, ref
     print()
+    reference = "ours, a row each" if args.without_peft else "peft"
     print(markdown(["dtype", "sequences, tokens each", "real tokens", "ours", "ours s/step", "peft s/step",
-                    "speed ratio", "speed ratio's range", "ours peak MiB", "peft peak MiB", "memory ratio",
-                    "first loss ours / peft"], rows))
+                    f"speed ratio against {reference}", "its range", "ours peak MiB", "peft peak MiB",
+                    f"memory ratio against {reference}", f"first loss ours / {reference}"], rows))
 
 
 def training_step(compute_loss, optimizer):
@@ -133,6 +139,9 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="timed steps of each after one warm-up step, taken in turns")
     p.add_argument("--gsm8k-batch", type=int, default=0,
                    help="instead of --batch x --length: sft.py's first N GSM8K examples at their own lengths")
+    p.add_argument("--without-peft", action="store_true",
+                   help="--gsm8k-batch against ours with a row per sequence alone (peft at 16 GSM8K examples needs "
+                        "more than 24 GB on the CPU)")
     p.add_argument("--data-dir", default=None, help="GSM8K files for --gsm8k-batch (default: $STATES_DATA, else fetched)")
     args = p.parse_args()
     device = setup(args)

@@ -355,6 +355,8 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model, dropout):
             p.normal_(0, 0.1)  # B = 0 would make every LoRA gradient but B's vanish
     m.train()
     seqs = [tok.encode(f"Question: {i} apples and {i + 3} pears cost {7 * i} dollars.\nAnswer: yes") for i in range(6)]
+    seqs += [tok.encode("Answer: 7 pears"), tok.encode("Answer: 12 eggs")]  # these two share a row
+    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)
     results = {}
     for recompute in (False, True):
         m.recompute = recompute
