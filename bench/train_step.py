@@ -37,10 +37,11 @@ mask and the padding and prompts left out of the loss, as TRL pads a batch
     python bench/train_step.py --dtypes bf16 --gsm8k-batch 16 --steps 3
 """
 import argparse
+import os
 
 import torch
 
-from common import M, add_args, build, markdown, ours_on, products_alone, race, random_ids, setup, step_peak_memory
+from common import M, ROOT, add_args, build, markdown, ours_on, products_alone, race, random_ids, setup, step_peak_memory
 import lora  # noqa: E402  (common put the repository on the path)
 
 
@@ -100,7 +101,8 @@ def ragged(args, device):
         peaks = [step_peak_memory(step, device) for step in steps]
         n_rows = len(M.fill_rows([len(s) for s in seqs]))
         tokens = sum(len(s) for s in seqs)
-        for i, layout in enumerate((f"{n_rows} shared rows", f"{len(seqs)} rows")):
+        shared = f"{n_rows} shared rows" if n_rows < len(seqs) else f"{n_rows} rows (none fit two sequences)"
+        for i, layout in enumerate((shared, f"{len(seqs)} rows")):
             # the reference: peft, else ours with a row per sequence (whose row then reads 1.00x)
             ref_i = 2 if len(steps) == 3 else 1
             rows.append((dtype_name, f"{len(seqs)}, {min(map(len, seqs))} to {max(map(len, seqs))}",
@@ -142,7 +144,8 @@ def main():
     p.add_argument("--without-peft", action="store_true",
                    help="--gsm8k-batch against ours with a row per sequence alone (peft at 16 GSM8K examples needs "
                         "more than 24 GB on the CPU)")
-    p.add_argument("--data-dir", default=None, help="GSM8K files for --gsm8k-batch (default: $STATES_DATA, else fetched)")
+    p.add_argument("--data-dir", default=os.environ.get("STATES_DATA") or os.path.join(ROOT, "..", "shared", "data"),
+                   help="GSM8K files for --gsm8k-batch (default: $STATES_DATA, else ../shared/data)")
     args = p.parse_args()
     device = setup(args)
     if args.gsm8k_batch:
