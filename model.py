@@ -700,14 +700,14 @@ def left_pad(seqs, pad_id, device=None):
 def fill_rows(lengths):
     """Sequence indices grouped into rows as long as the longest sequence, each sequence in
     the first row with room for it, longest first (first-fit decreasing). A batch's
-    lengths vary (GSM8K's questions with their solutions by about threefold), and one
-    sequence to a row would spend on padding about as much as on the tokens."""
-    rows, room = [], []
+    lengths vary (GSM8K's questions with their solutions by about threefold), and with one
+    sequence to a row nearly half of an SFT batch of 16 would be padding."""
+    rows, room, longest = [], [], max(lengths, default=0)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         row = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
         if row is None:
             rows.append([])
-            room.append(max(lengths))
+            room.append(longest)
             row = len(rows) - 1
         rows[row].append(i)
         room[row] -= lengths[i]
@@ -716,8 +716,8 @@ def fill_rows(lengths):
 
 def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
     """Hidden states of every state (seq[:t]) whose next token seq[t] is trained on, for t
-    in [start, len(seq)) of each sequence. Returns (states (N, hidden), targets (N,), row (N,)),
-    sequence by sequence in the given order. Short sequences share a row (fill_rows),
+    in [start, len(seq)) of each sequence. Returns (states (N, hidden), targets (N,),
+    sequence (N,)), sequence by sequence in the given order. Short sequences share a row (fill_rows),
     each attending only to itself (share_rows=False: one row each, as bench/train_step.py
     compares); where every sequence has a row of its own, rows are right-padded, causal
     attention alone keeps padding out of real tokens, and the pass runs the causal kernel
@@ -729,7 +729,7 @@ def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
     rows = fill_rows([len(s) for s in sequences]) if share_rows else None
     shared = rows is not None and len(rows) < len(sequences)
     if not shared:
-        rows = [[b] for b in range(len(sequences))]  # the given order, as unshared passes always ran
+        rows = [[b] for b in range(len(sequences))]  # one row each in the given order: the plain right-padded pass
     L = max(len(s) for s in sequences)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     segments = torch.full((len(rows), L), -1, dtype=torch.long)  # padding: a run of its own
@@ -749,15 +749,17 @@ def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
         cols += range(column + start, column + len(s))
         seq_of_state += [b] * (len(s) - start)
     ids = ids.to(device)
-    state_rows, cols, seq_of_state = (torch.tensor(x, dtype=torch.long, device=device) for x in (state_rows, cols, seq_of_state))
+    state_rows, cols, seq_of_state = (torch.tensor(x, dtype=torch.long, device=device)
+                                      for x in (state_rows, cols, seq_of_state))
     hidden = model(ids, hidden_only=True, segments=segments.to(device) if shared else None)
     return hidden[state_rows, cols - 1], ids[state_rows, cols], seq_of_state
 
 
 def sequence_logprobs(model, sequences, starts, pad_id=0, share_rows=True):
-    """log p(seq[t] | seq[:t]) in fp32 for t in [start, len(seq)); flat (N,) with row ids (N,)."""
-    states, targets, rows = sequence_states(model, sequences, starts, pad_id, share_rows)
-    return model.token_logprobs(states, targets), rows
+    """log p(seq[t] | seq[:t]) in fp32 for t in [start, len(seq)); flat (N,) with the
+    index of each one's sequence (N,)."""
+    states, targets, sequence = sequence_states(model, sequences, starts, pad_id, share_rows)
+    return model.token_logprobs(states, targets), sequence
 
 
 def autocast(device):
