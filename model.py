@@ -701,7 +701,8 @@ def fill_rows(lengths):
     """Sequence indices grouped into rows as long as the longest sequence, each sequence in
     the first row with room for it, longest first (first-fit decreasing). A batch's
     lengths vary (GSM8K's questions with their solutions by about threefold), and with one
-    sequence to a row nearly half of an SFT batch of 16 would be padding."""
+    sequence to a row nearly half of an SFT batch of 16 would be padding. Rows no longer
+    than the unshared pass's keep attention's cost per token where it was."""
     rows, room, longest = [], [], max(lengths, default=0)
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         row = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
