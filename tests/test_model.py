@@ -608,7 +608,7 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
     plain_forward, plain_rotary = m.forward, M.rotary_cos_sin
     m.forward = lambda *a, **k: calls.append(k.get("segments")) or plain_forward(*a, **k)
     monkeypatch.setattr(M, "rotary_cos_sin", lambda p, *a: positions.append(p) or plain_rotary(p, *a))
-    states, targets, rows = M.sequence_states(m, seqs, starts, tok.pad_id)
+    states, targets, sequence_of_state = M.sequence_states(m, seqs, starts, tok.pad_id)
     # rotary sees relative positions only, so this is checked here rather than in the values:
     # each sequence counts its positions from 0, wherever it lies in its row
     for row, segment in zip(positions[0].tolist(), calls[0].tolist()):
@@ -625,7 +625,7 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
     alone_states = torch.cat([a[0] for a in alone])
     assert torch.equal(targets, torch.cat([a[1] for a in alone]))
     m.token_logprobs(alone_states, targets).sum().backward()
-    assert torch.equal(rows, torch.cat([torch.full_like(a[2], b) for b, a in enumerate(alone)]))
+    assert torch.equal(sequence_of_state, torch.cat([torch.full_like(a[2], b) for b, a in enumerate(alone)]))
     assert (states - alone_states).abs().max() < 1e-5
     for n, p in m.named_parameters():
         if p.requires_grad:
