@@ -101,17 +101,19 @@ def ragged(args, device):
         first_losses = [step() for step in steps]
         timing = race(steps, device, args.steps)
         peaks = [step_peak_memory(step, device) for step in steps]
-        n_rows = len(M.fill_rows([len(s) for s in seqs]))
-        tokens = sum(len(s) for s in seqs)
+        lengths = [len(s) for s in seqs]
+        n_rows = len(M.fill_rows(lengths))
         shared = f"{n_rows} shared rows" if n_rows < len(seqs) else f"{n_rows} rows (none fit two sequences)"
-        for i, layout in enumerate((shared, f"{len(seqs)} rows")):
-            # the reference: peft, else ours with a row per sequence (whose row then reads 1.00x)
-            ref_i = 2 if len(steps) == 3 else 1
-            rows.append((dtype_name, f"{len(seqs)}, {min(map(len, seqs))} to {max(map(len, seqs))}",
-                         f"{tokens / (n_rows if i == 0 else len(seqs)) / max(map(len, seqs)):.0%}", layout,
-                         f"{timing.best[i]:.3f}", "-" if ref_i == 1 else f"{timing.best[2]:.3f}",
+        # the reference: peft, else ours with a row per sequence (whose row then reads 1.00x)
+        ref_i = 1 if args.without_peft else 2
+        peft_seconds, peft_peak = (("-", "-") if args.without_peft else
+                                   (f"{timing.best[2]:.3f}", f"{peaks[2] / 2**20:.0f}"))
+        for i, (layout, layout_rows) in enumerate(((shared, n_rows), (f"{len(seqs)} rows", len(seqs)))):
+            rows.append((dtype_name, f"{len(seqs)}, {min(lengths)} to {max(lengths)}",
+                         f"{sum(lengths) / layout_rows / max(lengths):.0%}", layout,
+                         f"{timing.best[i]:.3f}", peft_seconds,
                          *timing.ratio_cells(ref_i, i), f"{peaks[i] / 2**20:.0f}",
-                         "-" if ref_i == 1 else f"{peaks[2] / 2**20:.0f}", f"{peaks[i] / peaks[ref_i]:.2f}x",
+                         peft_peak, f"{peaks[i] / peaks[ref_i]:.2f}x",
                          f"{first_losses[i]:.4f} / {first_losses[ref_i]:.4f}"))
             print(" ".join(rows[-1]), flush=True)
         del steps, base, ref
