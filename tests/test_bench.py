@@ -56,6 +56,19 @@ def test_train_step_bench_starts_from_the_same_loss(tiny_model):
     assert int(rows[1][7]) <= int(rows[0][7]), rows  # recomputing never holds more
 
 
+def test_train_step_bench_on_gsm8k_lengths_shares_rows_and_starts_from_the_same_loss(tiny_model, data_dir):
+    common = ("--config", tiny_model, "--data-dir", data_dir, "--gsm8k-batch", "8", "--rank", "4", "--steps", "1")
+    rows = bench("train_step.py", *common)
+    assert [r[3] for r in rows] == ["7 shared rows", "8 rows"], rows  # sft.py's first 8 examples: two share a row
+    assert [r[1] for r in rows] == ["8, 114 to 273"] * 2, rows
+    assert int(rows[0][2].rstrip("%")) > int(rows[1][2].rstrip("%")), rows  # less of the pass is padding
+    for row in rows:  # ours shared, ours a row each, peft: one loss on the same batch and weights
+        ours, peft = row[-1].split(" / ")
+        assert abs(float(ours) - float(peft)) < 1e-4, row
+    rows = bench("train_step.py", *common, "--without-peft")
+    assert rows[1][5:8] == ["-", "1.00x", "1.00x to 1.00x"] and rows[1][9:11] == ["-", "1.00x"], rows
+
+
 def test_mmlu_bench_scores_what_the_loop_scores(tiny_model, data_dir):
     [row] = bench("mmlu.py", "--config", tiny_model, "--data-dir", data_dir, "--questions", "3", "--shots", "1")
     assert float(row[-1]) < 1e-3, row
