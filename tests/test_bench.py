@@ -47,7 +47,9 @@ def test_train_step_bench_starts_from_the_same_loss(tiny_model):
     rows, [anatomy] = rows[:2], rows[2:]  # the step table, then where the step's time goes
     assert [r[2] for r in rows] == ["no", "yes"], rows  # sft.py's default, then --recompute
     ours_s, peft_s, products_s = map(float, anatomy[2:5])  # 4 significant digits
-    assert abs(ours_s - float(rows[0][3])) <= 5e-4 and abs(peft_s - float(rows[0][4])) <= 5e-4, (anatomy, rows)
+    # the same seconds printed to 3 decimals and to 4 significant digits: each rounding moves
+    # them by at most 5e-4 below 10 s
+    assert abs(ours_s - float(rows[0][3])) <= 1e-3 and abs(peft_s - float(rows[0][4])) <= 1e-3, (anatomy, rows)
     assert products_s > 0 and abs(float(anatomy[-1].rstrip("x")) - peft_s / products_s) <= 0.005 + 2e-3 * peft_s / products_s
     for row in rows:
         ours, peft = row[-1].split(" / ")
