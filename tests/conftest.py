@@ -15,6 +15,11 @@ SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 DATA_DIR = os.environ.get("STATES_DATA") or (SHARED_DATA if os.path.isdir(SHARED_DATA) else None)
 SHARED_CONFIG = os.path.join(ROOT, "..", "shared", "qwen3-0.6b-base")
 
+# The devices this machine has. Tests that take a device run on each: where a GPU is present
+# `pytest -k cuda` checks the path the scripts take there (bf16, autocast, SDPA's CUDA
+# kernels, the captured decode step); on the CPU they run as the rest of the suite does
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
 # name -> transformers Qwen3Config arguments; grouped-query ratios 2 and 4, tied and untied
 TINY_CONFIGS = {
     "tied": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

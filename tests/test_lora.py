@@ -3,6 +3,7 @@ import torch
 
 import lora
 import model as M
+from conftest import DEVICES
 
 
 def randomize_adapter(model, name, seed):
@@ -149,36 +150,42 @@ def test_adapter_for_other_base_is_a_one_line_error(tiny_models, tmp_path):
         lora.load_adapter(ours, str(tmp_path / "nothing"))
 
 
-@pytest.mark.parametrize("dtype,dropout", [("fp32", 0.0), ("bf16", 0.0), ("fp32", 0.2)])
-def test_lora_gradients_equal_pefts(tiny_model, tmp_path, dtype, dropout):
+# with dropout on the CPU only: on CUDA torch's dropout draws in a kernel of its own, so peft's
+# masks and ours differ there
+@pytest.mark.parametrize("device,dtype,dropout", [("cpu", "fp32", 0.0), ("cpu", "bf16", 0.0), ("cpu", "fp32", 0.2)] + [
+    (device, dtype, 0.0) for device in DEVICES if device != "cpu" for dtype in ("fp32", "bf16")])
+def test_lora_gradients_equal_pefts(tiny_model, tmp_path, device, dtype, dropout):
     # the whole training pass against transformers + peft: our norms', MLP's, attention's
     # and output layer's backward passes, with the same adapter and transformers' own loss;
-    # with dropout, both draw each layer's mask from the same generator in the same order
+    # with dropout, both draw each layer's mask from the same generator in the same order.
+    # On CUDA both run under the scripts' autocast (M.autocast)
     from peft import PeftModel
     from transformers import Qwen3ForCausalLM
-    ours, tok = M.load(tiny_model, dtype=dtype)
+    ours, tok = M.load(tiny_model, device=device, dtype=dtype)
     lora.add_lora(ours, rank=4, alpha=8, dropout=dropout)
     randomize_adapter(ours, "default", seed=2)  # B != 0, so every LoRA matrix gets a gradient
     lora.save_adapter(ours, str(tmp_path / "adapter"))
     base = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32 if dtype == "fp32" else torch.bfloat16)
-    ref = PeftModel.from_pretrained(base, str(tmp_path / "adapter"), is_trainable=True)
+    ref = PeftModel.from_pretrained(base.to(device), str(tmp_path / "adapter"), is_trainable=True)
     ours.train(), ref.train()  # dropout draws in training mode only
     texts = ["Question: Tom has 12 marbles and gives 5 away. How many are left?\nAnswer: 7",
              "Question: A box holds 6 eggs. How many eggs are in 4 boxes?\nAnswer: 24"]
     length = min(len(tok.encode(t)) for t in texts)
-    ids = torch.tensor([tok.encode(t)[:length] for t in texts])  # one length: no padding on either side
+    ids = torch.tensor([tok.encode(t)[:length] for t in texts], device=device)  # one length: no padding on either side
     torch.manual_seed(5)
-    (-M.sequence_logprobs(ours, ids.tolist(), [1, 1])[0].mean()).backward()
+    with M.autocast(ids.device):
+        (-M.sequence_logprobs(ours, ids.tolist(), [1, 1])[0].mean()).backward()
     torch.manual_seed(5)
-    ref(input_ids=ids, labels=ids).loss.backward()
-    theirs = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    got = {f"base_model.model.{n}.weight": p.grad for n, p in ours.named_parameters() if p.requires_grad}
+    with M.autocast(ids.device):
+        ref(input_ids=ids, labels=ids).loss.backward()
+    theirs = {n: p.grad.cpu() for n, p in ref.named_parameters() if p.requires_grad}
+    got = {f"base_model.model.{n}.weight": p.grad.cpu() for n, p in ours.named_parameters() if p.requires_grad}
     assert got.keys() == theirs.keys() and len(got) == 2 * 7 * ours.config.num_hidden_layers
     for name, grad in got.items():
         scale = theirs[name].abs().max().item()
-        # fp32: float rounding; bf16: the two round every activation, and peft runs the
-        # adapter's products in fp32
-        bound = 1e-5 * scale if dtype == "fp32" else 5e-2 * scale
+        # fp32 on the CPU: float rounding; bf16 (and CUDA's autocast): the two round every
+        # activation, and peft runs the adapter's products in fp32
+        bound = 1e-5 * scale if dtype == "fp32" and device == "cpu" else 5e-2 * scale
         assert scale > 0 and (grad - theirs[name]).abs().max() <= bound, name
 
 

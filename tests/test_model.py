@@ -9,7 +9,7 @@ import torch
 
 import data
 import model as M
-from conftest import SHARED_CONFIG, TINY_CONFIGS, save_hf_model
+from conftest import DEVICES, SHARED_CONFIG, TINY_CONFIGS, save_hf_model
 
 
 def hf_model(folder):
@@ -632,3 +632,48 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
             assert (shared_grads[n] - p.grad).abs().max() <= 1e-4 * p.grad.abs().max(), n
     with pytest.raises(ValueError, match="segments"):
         m(torch.tensor([seqs[0]]), cache=m.new_cache(1, 40), segments=torch.zeros(1, len(seqs[0]), dtype=torch.long))
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_training_pass_on_each_device_computes_what_fp32_on_the_cpu_does(tiny_models, device, dtype):
+    # the pass sft.py, rl.py and opd.py run on a device: weights in dtype, M.autocast (bf16
+    # products on CUDA), short sequences sharing rows (a masked attention kernel) and one row
+    # each (the causal one), against the same adapter in fp32 on the CPU
+    import lora
+    ref, tok = M.load(tiny_models["untied"])
+    ours, _ = M.load(tiny_models["untied"], device=device, dtype=dtype)
+    for m in (ref, ours):
+        lora.add_lora(m, rank=4, alpha=8)
+    with torch.no_grad():
+        for p_ref, p in zip(lora.lora_parameters(ref), lora.lora_parameters(ours)):
+            p.copy_(p_ref.normal_(0, 0.1))
+    texts = ["Question: Janet has 3 apples and buys 5 more. How many apples now?\nAnswer: 8", "2 + 2?",
+             "Question: a pen costs 4 dollars.\nAnswer:", "x", "Answer: 12 eggs", "Question: 7 * 6?\nAnswer: 42"]
+    seqs = [tok.encode(t) for t in texts]
+    starts = [max(1, len(s) // 2) for s in seqs]
+    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)
+
+    def training_pass(model, share_rows):
+        with M.autocast(model.lm_head.weight.device):
+            logp = M.sequence_logprobs(model, seqs, starts, tok.pad_id, share_rows=share_rows)[0]
+        logp.sum().backward()
+        grads = [p.grad.float().cpu() for p in lora.lora_parameters(model)]
+        model.zero_grad(set_to_none=True)
+        return logp.detach().float().cpu(), grads
+
+    expected, expected_grads = training_pass(ref, share_rows=True)
+    shared, shared_grads = training_pass(ours, share_rows=True)
+    alone, alone_grads = training_pass(ours, share_rows=False)
+    # the two attention kernels on one device round differently, and no more: in bf16 on the
+    # CPU shared rows moved the log-probs by 0.002 and the gradients by 0.8% of the largest,
+    # where a mask letting sequences see each other moves them by 1.2 and by 100%
+    low_precision = dtype == "bf16" or device != "cpu"  # bf16 weights, or bf16 products under CUDA's autocast
+    assert (shared - alone).abs().max() <= (2e-2 if low_precision else 1e-5)
+    for g, e in zip(shared_grads, alone_grads):
+        assert (g - e).abs().max() <= (5e-2 if low_precision else 1e-4) * e.abs().max()
+    # against fp32 on the CPU, bf16 weights are another model's by their rounding: 0.027 and 4.3%
+    # of the largest gradient on the CPU
+    assert (shared - expected).abs().max() <= (0.15 if low_precision else 1e-5)
+    for g, e in zip(shared_grads, expected_grads):
+        assert (g - e).abs().max() <= (0.2 if low_precision else 1e-4) * e.abs().max()

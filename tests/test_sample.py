@@ -198,7 +198,7 @@ def test_draw_without_uniforms_follows_the_tempered_distribution():
 
 # the CUDA graph variant runs where a GPU is present (bench/all.sh's machine); the eager
 # fixed-shape loop is the same code minus the capture and runs everywhere
-FIXED_SHAPE_MODES = ["fixed"] + (["graph"] if torch.cuda.is_available() else [])
+FIXED_SHAPE_MODES = ["fixed"] + ([pytest.param("graph", id="cuda-graph")] if torch.cuda.is_available() else [])
 
 
 @pytest.mark.parametrize("mode", FIXED_SHAPE_MODES)

@@ -12,7 +12,7 @@ import model as M
 import opd
 import rl
 import sft
-from conftest import ROOT
+from conftest import DEVICES, ROOT
 
 LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
 MAINS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
@@ -47,13 +47,14 @@ def write_fixed_answer_data(source, folder, answer, n=24):
     ("rl.py", ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 8, "--max-steps", 2, "--kl-coef", 0.1]),
     ("opd.py", ["--teacher", "BASE", "--prompts-per-step", 2, "--max-new-tokens", 8, "--max-steps", 2]),
 ])
-def test_scripts_run_from_the_command_line(tiny_model, data_dir, tmp_path, script, extra):
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA: bf16 weights, autocast, the captured decode step
+def test_scripts_run_from_the_command_line(tiny_model, data_dir, tmp_path, script, extra, device):
     from peft import PeftModel
     from transformers import Qwen3ForCausalLM
     out = tmp_path / "run"
     extra = [tiny_model if e == "BASE" else e for e in extra]
-    subprocess.run([sys.executable, os.path.join(ROOT, script), *common(tiny_model, data_dir, out, *extra)],
-                   check=True, capture_output=True, text=True)
+    subprocess.run([sys.executable, os.path.join(ROOT, script), *common(tiny_model, data_dir, out, *extra),
+                    "--device", device], check=True, capture_output=True, text=True)
     log = read_log(out)
     assert [r["step"] for r in log] == [1, 2] and all(LOG_FIELDS <= set(r) for r in log)
     run = json.loads((out / "run.json").read_text())
