@@ -836,16 +836,21 @@ HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.sa
 
 
 def resolve_device(device=None, dtype=None):
-    """One place that picks device and dtype, and says why."""
+    """One place that picks device and dtype, and says why. Without a device: $STATES_DEVICE
+    if set (the tests set it to cpu, so that a machine with a GPU runs them as CI does),
+    else cuda when present, else cpu."""
+    source, fix = "--device", "leave out --device"
+    if device is None and os.environ.get("STATES_DEVICE"):
+        device, source, fix = os.environ["STATES_DEVICE"], "$STATES_DEVICE", "unset $STATES_DEVICE"
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(device)
     except RuntimeError:
-        raise InputError(f"--device {device!r} is not a device; use cuda, cuda:N or cpu") from None
+        raise InputError(f"{source} {device!r} is not a device; use cuda, cuda:N or cpu") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"--device {device}, but torch finds no CUDA device (no GPU, no driver, or a CPU-only build of "
-                         f"torch); leave out --device to run on the CPU")
+        raise InputError(f"{source} {device}, but torch finds no CUDA device (no GPU, no driver, or a CPU-only build of "
+                         f"torch); {fix} to run on the CPU")
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     elif isinstance(dtype, str):
@@ -862,7 +867,7 @@ def add_model_args(p, model_default=DEFAULT_MODEL, model_help="base model: hub i
     p.add_argument("--model", default=model_default, help=model_help)
     p.add_argument("--data-dir", default=None,
                    help="dataset folder (default: $STATES_DATA, else fetched into ~/.cache/states)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: $STATES_DEVICE, else cuda when present)")
     p.add_argument("--dtype", default=None, choices=["fp32", "bf16", "fp16"],
                    help="fp32 or bf16 (default: bf16 on cuda, fp32 on cpu)")
 

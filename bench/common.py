@@ -28,7 +28,7 @@ class NoStopTokenizer:
 def add_args(p, dtypes="fp32,bf16"):
     p.add_argument("--config", default=CONFIG, help="folder with the official Qwen3-0.6B config.json")
     p.add_argument("--dtypes", default=dtypes, help="comma-separated: fp32, bf16")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: $STATES_DEVICE, else cuda when present)")
 
 
 def setup(args):

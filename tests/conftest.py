@@ -15,9 +15,12 @@ SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 DATA_DIR = os.environ.get("STATES_DATA") or (SHARED_DATA if os.path.isdir(SHARED_DATA) else None)
 SHARED_CONFIG = os.path.join(ROOT, "..", "shared", "qwen3-0.6b-base")
 
-# The devices this machine has. Tests that take a device run on each: where a GPU is present
-# `pytest -k cuda` checks the path the scripts take there (bf16, autocast, SDPA's CUDA
-# kernels, the captured decode step); on the CPU they run as the rest of the suite does
+# Whatever the machine, a model or script given no device runs on the CPU (model.resolve_device
+# reads $STATES_DEVICE; scripts run as subprocesses inherit it), so the suite computes what it
+# computes in CI. The tests that take a device run on each device this machine has: where a
+# GPU is present, `pytest -k cuda` checks the path the scripts take there (bf16, autocast,
+# SDPA's CUDA kernels, the captured decode step)
+os.environ["STATES_DEVICE"] = "cpu"
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 # name -> transformers Qwen3Config arguments; grouped-query ratios 2 and 4, tied and untied

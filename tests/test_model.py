@@ -263,6 +263,14 @@ def test_a_device_that_is_not_there_is_a_one_line_error(monkeypatch):
     with pytest.raises(M.InputError, match="--dtype 'fp8' is not a dtype"):
         M.resolve_device("cpu", "fp8")
     assert M.resolve_device(None) == (torch.device("cpu"), torch.float32)
+    # $STATES_DEVICE stands in for a missing --device, and is named when it is wrong
+    monkeypatch.setenv("STATES_DEVICE", "cuda")
+    with pytest.raises(M.InputError, match=r"\$STATES_DEVICE cuda, but torch finds no CUDA device.*unset \$STATES_DEVICE"):
+        M.resolve_device(None)
+    assert M.resolve_device("cpu") == (torch.device("cpu"), torch.float32)  # --device wins
+    monkeypatch.setenv("STATES_DEVICE", "gpu")
+    with pytest.raises(M.InputError, match=r"\$STATES_DEVICE 'gpu' is not a device"):
+        M.resolve_device(None)
 
 
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
