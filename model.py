@@ -907,7 +907,8 @@ def run_script(main, memory_fix="rerun with smaller settings"):
 def device_from_args(args):
     """resolve_device for --device/--dtype, printing what was picked and why."""
     device, dtype = resolve_device(args.device, args.dtype)
-    print(f"device {device}, dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    source = "given" if args.device else "from $STATES_DEVICE" if os.environ.get("STATES_DEVICE") else "default"
+    print(f"device {device} ({source}), dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
     return device, dtype
 
 
