@@ -642,12 +642,16 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
         m(torch.tensor([seqs[0]]), cache=m.new_cache(1, 40), segments=torch.zeros(1, len(seqs[0]), dtype=torch.long))
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_training_pass_on_each_device_computes_what_fp32_on_the_cpu_does(tiny_models, device, dtype):
+# (device, weights, autocast on the CPU): the scripts run under autocast on CUDA (M.autocast)
+# and never on the CPU; the third case runs CUDA's mixed precision on the CPU, bf16 products
+# over fp32 weights through the same autograd Functions, so CI sees that path too
+@pytest.mark.parametrize("device,dtype,cpu_autocast", [("cpu", "fp32", False), ("cpu", "bf16", False), ("cpu", "fp32", True)]
+                         + [(device, dtype, False) for device in DEVICES if device != "cpu" for dtype in ("fp32", "bf16")])
+def test_the_training_pass_on_each_device_computes_what_fp32_on_the_cpu_does(tiny_models, device, dtype, cpu_autocast):
     # the pass sft.py, rl.py and opd.py run on a device: weights in dtype, M.autocast (bf16
     # products on CUDA), short sequences sharing rows (a masked attention kernel) and one row
     # each (the causal one), against the same adapter in fp32 on the CPU
+    import contextlib
     import lora
     ref, tok = M.load(tiny_models["untied"])
     ours, _ = M.load(tiny_models["untied"], device=device, dtype=dtype)
@@ -664,7 +668,8 @@ def test_the_training_pass_on_each_device_computes_what_fp32_on_the_cpu_does(tin
     assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)
 
     def training_pass(model, share_rows):
-        with M.autocast(model.lm_head.weight.device):
+        mixed = torch.autocast("cpu", dtype=torch.bfloat16) if cpu_autocast and model is ours else contextlib.nullcontext()
+        with M.autocast(model.lm_head.weight.device), mixed:
             logp = M.sequence_logprobs(model, seqs, starts, tok.pad_id, share_rows=share_rows)[0]
         logp.sum().backward()
         grads = [p.grad.float().cpu() for p in lora.lora_parameters(model)]
@@ -675,14 +680,15 @@ def test_the_training_pass_on_each_device_computes_what_fp32_on_the_cpu_does(tin
     shared, shared_grads = training_pass(ours, share_rows=True)
     alone, alone_grads = training_pass(ours, share_rows=False)
     # the two attention kernels on one device round differently, and no more: in bf16 on the
-    # CPU shared rows moved the log-probs by 0.006 and the gradients by 0.6% of the largest,
-    # where a mask letting sequences see each other moves them by about 1.2 and by 100%
-    low_precision = dtype == "bf16" or device != "cpu"  # bf16 weights, or bf16 products under CUDA's autocast
+    # CPU shared rows moved the log-probs by 0.006 and the gradients by 0.6% of the largest
+    # (0.002 and 0.7% under autocast), where a mask letting sequences see each other moves
+    # them by about 1.2 and by 100%
+    low_precision = dtype == "bf16" or device != "cpu" or cpu_autocast  # bf16 weights, or bf16 products
     assert (shared - alone).abs().max() <= (5e-2 if low_precision else 1e-5)
     for g, e in zip(shared_grads, alone_grads):
         assert (g - e).abs().max() <= (5e-2 if low_precision else 1e-4) * e.abs().max()
     # against fp32 on the CPU, bf16 weights are another model's by their rounding: 0.022 and 3.8%
-    # of the largest gradient on the CPU
+    # of the largest gradient on the CPU (bf16 products under autocast: 0.020 and 4.6%)
     assert (shared - expected).abs().max() <= (0.15 if low_precision else 1e-5)
     for g, e in zip(shared_grads, expected_grads):
         assert (g - e).abs().max() <= (0.2 if low_precision else 1e-4) * e.abs().max()
