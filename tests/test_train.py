@@ -46,6 +46,8 @@ def write_fixed_answer_data(source, folder, answer, n=24):
     ("sft.py", ["--train-limit", 16, "--batch-size", 4, "--max-steps", 2]),
     ("rl.py", ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 8, "--max-steps", 2, "--kl-coef", 0.1]),
     ("opd.py", ["--teacher", "BASE", "--prompts-per-step", 2, "--max-new-tokens", 8, "--max-steps", 2]),
+    ("opd.py", ["--teacher", "BASE", "--signal", "logits", "--prompts-per-step", 2, "--max-new-tokens", 8,
+                "--max-steps", 2]),
 ])
 @pytest.mark.parametrize("device", DEVICES)  # on CUDA: bf16 weights, autocast, the captured decode step
 def test_scripts_run_from_the_command_line(tiny_model, data_dir, tmp_path, script, extra, device):
