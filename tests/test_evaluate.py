@@ -268,13 +268,14 @@ def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     assert "| step-000020 | 0.500 / - |" in E.results_markdown({"stress": run(1e-5, 0.4), "step-000020": run(2e-5, 0.3)})
 
 
-def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, data_dir, tmp_path):
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA: training, evaluation and drift there in bf16
+def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, data_dir, tmp_path, device):
     """The README's way to follow forgetting over training: snapshots, then evaluate.py and
     drift.py on snapshots/step-*, then a table of them."""
     import glob
     import sft
     out = tmp_path / "out"
-    common = ["--model", tiny_model, "--data-dir", str(data_dir)]
+    common = ["--model", tiny_model, "--data-dir", str(data_dir), "--device", device]
     sft.main([*common, "--out", str(out / "stress"), "--train-limit", "8", "--batch-size", "4", "--max-steps", "2",
               "--snapshot-every", "1", "--lr", "1e-2"])
     flags = [*common, "--out", str(out), "--gsm8k-limit", "4", "--mmlu-limit", "4", "--truthfulqa-limit", "4",
