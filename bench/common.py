@@ -14,6 +14,8 @@ sys.path.insert(0, ROOT)
 import model as M  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "..", "shared", "qwen3-0.6b-base")
+# the dataset files (bench/mmlu.py, bench/train_step.py --gsm8k-batch): $STATES_DATA, else the offline copies
+DATA = os.environ.get("STATES_DATA") or os.path.join(ROOT, "..", "shared", "data")
 
 
 class NoStopTokenizer:

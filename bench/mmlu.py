@@ -20,7 +20,7 @@ import tempfile
 
 import torch
 
-from common import M, ROOT, add_args, build, markdown, setup, timed
+from common import DATA, M, add_args, build, markdown, setup, timed
 import data  # noqa: E402  (common put the repository on the path)
 from evaluate import score_choices  # noqa: E402
 
@@ -54,7 +54,7 @@ def per_choice_loop(ref, tok, contexts, choices, batch_size):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_args(p)
-    p.add_argument("--data-dir", default=os.environ.get("STATES_DATA") or os.path.join(ROOT, "..", "shared", "data"))
+    p.add_argument("--data-dir", default=DATA)
     p.add_argument("--questions", type=int, default=100)
     p.add_argument("--shots", type=int, default=5)
     p.add_argument("--scoring", default="letter", choices=["letter", "text"])

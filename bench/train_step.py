@@ -37,11 +37,10 @@ mask and the padding and prompts left out of the loss, as TRL pads a batch
     python bench/train_step.py --dtypes bf16 --gsm8k-batch 16 --steps 3
 """
 import argparse
-import os
 
 import torch
 
-from common import M, ROOT, add_args, build, markdown, ours_on, products_alone, race, random_ids, setup, step_peak_memory
+from common import DATA, M, add_args, build, markdown, ours_on, products_alone, race, random_ids, setup, step_peak_memory
 import lora  # noqa: E402  (common put the repository on the path)
 
 
@@ -148,7 +147,7 @@ def main():
     p.add_argument("--without-peft", action="store_true",
                    help="--gsm8k-batch against ours with a row per sequence alone (peft at 16 GSM8K examples needs "
                         "more than 24 GB on the CPU)")
-    p.add_argument("--data-dir", default=os.environ.get("STATES_DATA") or os.path.join(ROOT, "..", "shared", "data"),
+    p.add_argument("--data-dir", default=DATA,
                    help="GSM8K files for --gsm8k-batch (default: $STATES_DATA, else ../shared/data)")
     args = p.parse_args()
     device = setup(args)
