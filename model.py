@@ -835,14 +835,21 @@ HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.sa
              "tokenizer.json", "tokenizer_config.json"]
 
 
+def device_source(device=None):
+    """Where the device comes from: "--device" when one is given, else "$STATES_DEVICE" when
+    that is set (the tests set it to cpu, so that a machine with a GPU runs them as CI does),
+    else None: cuda when present, else cpu."""
+    return "--device" if device is not None else "$STATES_DEVICE" if os.environ.get("STATES_DEVICE") else None
+
+
 def resolve_device(device=None, dtype=None):
-    """One place that picks device and dtype, and says why. Without a device: $STATES_DEVICE
-    if set (the tests set it to cpu, so that a machine with a GPU runs them as CI does),
-    else cuda when present, else cpu."""
-    source, fix = "--device", "leave out --device"
-    if device is None and os.environ.get("STATES_DEVICE"):
-        device, source, fix = os.environ["STATES_DEVICE"], "$STATES_DEVICE", "unset $STATES_DEVICE"
-    if device is None:
+    """One place that picks device and dtype (device_source says where the device comes
+    from), and says why."""
+    source = device_source(device)
+    fix = "unset $STATES_DEVICE" if source == "$STATES_DEVICE" else "leave out --device"
+    if source == "$STATES_DEVICE":
+        device = os.environ["STATES_DEVICE"]
+    elif source is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         device = torch.device(device)
@@ -907,7 +914,7 @@ def run_script(main, memory_fix="rerun with smaller settings"):
 def device_from_args(args):
     """resolve_device for --device/--dtype, printing what was picked and why."""
     device, dtype = resolve_device(args.device, args.dtype)
-    source = "given" if args.device else "from $STATES_DEVICE" if os.environ.get("STATES_DEVICE") else "default"
+    source = {"--device": "given", "$STATES_DEVICE": "from $STATES_DEVICE", None: "default"}[device_source(args.device)]
     print(f"device {device} ({source}), dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
     return device, dtype
 
