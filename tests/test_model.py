@@ -597,6 +597,16 @@ def test_fill_rows_puts_each_sequence_once_in_a_row_with_room_longest_first():
     assert M.fill_rows([4, 4, 4]) == [[0], [1], [2]]
 
 
+def sharing_batch(tok):
+    """Sequences of mixed lengths, some of which share a row (model.fill_rows), and where
+    each one's trained tokens start: halfway along it."""
+    texts = ["Question: Janet has 3 apples and buys 5 more. How many apples now?\nAnswer: 8", "2 + 2?",
+             "Question: a pen costs 4 dollars.\nAnswer:", "x", "Answer: 12 eggs", "Question: 7 * 6?\nAnswer: 42"]
+    seqs = [tok.encode(t) for t in texts]
+    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)  # rows are shared here
+    return seqs, [max(1, len(s) // 2) for s in seqs]
+
+
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradients(tiny_models, name, monkeypatch):
     import lora
@@ -606,11 +616,7 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
     with torch.no_grad():
         for p in lora.lora_parameters(m):
             p.normal_(0, 0.1)
-    texts = ["Question: Janet has 3 apples and buys 5 more. How many apples now?\nAnswer: 8", "2 + 2?",
-             "Question: a pen costs 4 dollars.\nAnswer:", "x", "Answer: 12 eggs", "Question: 7 * 6?\nAnswer: 42"]
-    seqs = [tok.encode(t) for t in texts]
-    starts = [max(1, len(s) // 2) for s in seqs]
-    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)  # rows are shared here
+    seqs, starts = sharing_batch(tok)
 
     calls, positions = [], []
     plain_forward, plain_rotary = m.forward, M.rotary_cos_sin
@@ -661,11 +667,7 @@ def test_the_training_pass_on_each_device_computes_what_fp32_on_the_cpu_does(tin
     with torch.no_grad():
         for p_ref, p in zip(lora.lora_parameters(ref), lora.lora_parameters(ours)):
             p.copy_(p_ref.normal_(0, 0.1))
-    texts = ["Question: Janet has 3 apples and buys 5 more. How many apples now?\nAnswer: 8", "2 + 2?",
-             "Question: a pen costs 4 dollars.\nAnswer:", "x", "Answer: 12 eggs", "Question: 7 * 6?\nAnswer: 42"]
-    seqs = [tok.encode(t) for t in texts]
-    starts = [max(1, len(s) // 2) for s in seqs]
-    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)
+    seqs, starts = sharing_batch(tok)
 
     def training_pass(model, share_rows):
         mixed = torch.autocast("cpu", dtype=torch.bfloat16) if cpu_autocast and model is ours else contextlib.nullcontext()
