@@ -273,6 +273,23 @@ def test_a_device_that_is_not_there_is_a_one_line_error(monkeypatch):
         M.resolve_device(None)
 
 
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="reads the CPU's flags from Linux's /proc/cpuinfo")
+def test_cpu_has_bf16_reads_the_cpus_own_flags():
+    with open("/proc/cpuinfo") as f:
+        flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    assert M.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note(monkeypatch, capsys):
+    args = argparse.Namespace(device="cpu", dtype="bf16")
+    for has_bf16, dtype in ((False, "bf16"), (True, "bf16"), (False, None)):
+        monkeypatch.setattr(M, "cpu_has_bf16", lambda: has_bf16)
+        args.dtype = dtype
+        M.device_from_args(args)
+        noted = "no bf16 instructions" in capsys.readouterr().out
+        assert noted == (dtype == "bf16" and not has_bf16)
+
+
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
 @pytest.mark.parametrize("head, vocab_slice", [("trainable", 4096), ("frozen", 4096), ("frozen", 96)])
 def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, monkeypatch):

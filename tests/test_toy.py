@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import data
+import model as M
 import toy
 from conftest import ROOT
 
@@ -68,3 +69,10 @@ def test_toy_mini_study_runs_end_to_end(tmp_path):
         assert f"| {run} |" in table
     assert json.loads((out / "eval.json").read_text())["mmlu"]["scoring"] == "text"
     assert os.path.isfile(out / "base-model" / "model.safetensors") and os.path.isdir(out / "data" / "gsm8k")
+
+
+def test_pretraining_autocasts_to_bf16_by_default_only_where_the_cpu_has_bf16_instructions(monkeypatch):
+    for has_bf16 in (True, False):
+        monkeypatch.setattr(M, "cpu_has_bf16", lambda: has_bf16)
+        assert toy.autocast_bf16(None) is has_bf16
+        assert toy.autocast_bf16(1) is True and toy.autocast_bf16(0) is False  # --bf16 given wins
