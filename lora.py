@@ -130,7 +130,7 @@ class DroppedDown(torch.autograd.Function):
         grad = grad.reshape(-1, grad.shape[-1])  # (tokens, rank)
         with torch.autocast(**ctx.autocast):
             d_x = grad.mm(A).view(x.shape) * noise if ctx.needs_input_grad[0] else None
-            d_A = (x * noise).reshape(-1, x.shape[-1]).t().mm(grad).t() if ctx.needs_input_grad[1] else None
+            d_A = grad.t().mm((x * noise).reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
         return d_x, d_A, None
 
 
