@@ -95,9 +95,13 @@ def linear(x, weight, bias=None, dtype=None):
     sums in another order, so values agree to bf16 rounding. In fp32 the column-major
     weights of lay_out_weights already give the plain form this speed. Inside packed_weights
     (sample.generate) the decoder layers' products take a faster form still; this one
-    serves the output layer and every forward pass outside it."""
+    serves the output layer and every forward pass outside it. On a CPU without bf16
+    instructions (cpu_has_bf16) the weight-first form was the slower one, 0.16x to 0.75x
+    F.linear's speed at 2 to 8 rows, so there only the single row takes its own form
+    (1.11x)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < rows <= FEW_ROWS and weight.stride(-1) == 1):
+    if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < rows <= FEW_ROWS and weight.stride(-1) == 1
+            and (rows == 1 or cpu_has_bf16())):
         y = F.linear(x, weight, bias)
         return y if dtype is None else y.to(dtype)
     x2d = x.reshape(rows, x.shape[-1])
@@ -911,6 +915,7 @@ def run_script(main, memory_fix="rerun with smaller settings"):
         raise SystemExit(f"error: the GPU ran out of memory ({first_line}); {memory_fix}") from None
 
 
+@functools.cache
 def cpu_has_bf16():
     """Whether this CPU multiplies bf16 matrices in hardware (x86's AVX512-BF16 or AMX).
     Without either, torch converts bf16 to fp32 and back around its products: on 2 cores

@@ -397,18 +397,31 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model, dropout):
 
 
 @pytest.mark.parametrize("rows", [1, 3, M.FEW_ROWS, M.FEW_ROWS + 1])
-def test_linear_computes_f_linear_in_every_form(rows):
-    # bf16 on the CPU takes a matrix-vector product at one row and the weight-first product
-    # up to FEW_ROWS rows; above that, and in fp32 or with a column-major weight, F.linear
+@pytest.mark.parametrize("has_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
+def test_linear_computes_f_linear_in_every_form(rows, has_bf16, monkeypatch):
+    # bf16 on the CPU takes a matrix-vector product at one row and, where the CPU has bf16
+    # instructions, the weight-first product up to FEW_ROWS rows; above that, and in fp32 or
+    # with a column-major weight, F.linear
+    monkeypatch.setattr(M, "cpu_has_bf16", lambda: has_bf16)
+    plain_outputs, f_linear = [], torch.nn.functional.linear  # where F.linear's results lie
+
+    def spy(*args):
+        y = f_linear(*args)
+        plain_outputs.append(y.data_ptr())
+        return y
+    monkeypatch.setattr(M.F, "linear", spy)
     g = torch.Generator().manual_seed(rows)
     W, b = torch.randn(48, 40, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
     x = torch.randn(1, rows, 40, generator=g).bfloat16()
     for bias in (None, b):
         exact = torch.nn.functional.linear(x.double(), W.double(), None if bias is None else bias.double())
+        plain_outputs.clear()
         y = M.linear(x, W, bias)
         assert y.shape == (1, rows, 48) and y.dtype == torch.bfloat16 and y.is_contiguous()
         # each output rounded once to bf16 (8 significant bits) after summing in fp32
         assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+        plain = rows > M.FEW_ROWS or (rows > 1 and not has_bf16)
+        assert (y.data_ptr() in plain_outputs) == plain  # F.linear's own result where it is the faster form
         y32 = M.linear(x, W, bias, dtype=torch.float32)  # the sampler's logits: converted in the same copy
         assert y32.dtype == torch.float32 and y32.is_contiguous() and torch.equal(y32, y.float())
     xg = x.clone().requires_grad_(True)
