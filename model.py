@@ -82,26 +82,27 @@ class Qwen3Config:
 # -----------------------------------------------------------------------------
 # layers
 
-FEW_ROWS = 16  # up to this many rows, bf16 products on the CPU take the weight-first form
+FEW_ROWS = 16  # up to this many rows, bf16 products on an AMX CPU take the weight-first form
+FEW_ROW_FORMS = None  # None: where the CPU has AMX (cpu_has_amx); True or False forces them (bench/layout.py)
 
 
 def linear(x, weight, bias=None, dtype=None):
     """F.linear(x, weight, bias), converted to dtype if given, with the product in the order
-    the CPU's bf16 kernels run fastest. For a decode step's few rows oneDNN multiplies the
-    (out, in) weight by the (in, rows) inputs faster than the (rows, in) inputs by the
-    weight's transpose, and a single row fastest as a matrix-vector product: over
-    Qwen3-0.6B's weights about a fifth faster at 1 and 8 rows, a tenth at 2 to 16, no steady
-    difference at 32 to 64, slower at training sizes (bench/layout.py measures it). The same
-    sums in another order, so values agree to bf16 rounding. In fp32 the column-major
-    weights of lay_out_weights already give the plain form this speed. Inside packed_weights
+    the CPU's bf16 kernels run fastest. On a CPU with AMX, for a decode step's few rows
+    oneDNN multiplies the (out, in) weight by the (in, rows) inputs faster than the (rows,
+    in) inputs by the weight's transpose, and a single row fastest as a matrix-vector
+    product: over Qwen3-0.6B's weights about a fifth faster at 1 and 8 rows, a tenth at 2 to
+    16, no steady difference at 32 to 64, slower at training sizes. The same sums in another
+    order, so values agree to bf16 rounding. Without AMX these forms were the slower ones
+    (0.54x to 0.84x F.linear's speed at 1 to 8 rows on an AMD EPYC with AVX512-BF16; 0.16x
+    to 0.75x at 2 to 8 rows on a Xeon without bf16 instructions, where only the single row
+    gained, 1.11x), so there F.linear serves; bench/layout.py measures both on any machine. In fp32 the column-major weights of
+    lay_out_weights already give the plain form this speed. Inside packed_weights
     (sample.generate) the decoder layers' products take a faster form still; this one
-    serves the output layer and every forward pass outside it. On a CPU without bf16
-    instructions (cpu_has_bf16) the weight-first form was the slower one, 0.16x to 0.75x
-    F.linear's speed at 2 to 8 rows, so there only the single row takes its own form
-    (1.11x)."""
+    serves the output layer and every forward pass outside it."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < rows <= FEW_ROWS and weight.stride(-1) == 1
-            and (rows == 1 or cpu_has_bf16())):
+            and (cpu_has_amx() if FEW_ROW_FORMS is None else FEW_ROW_FORMS)):
         y = F.linear(x, weight, bias)
         return y if dtype is None else y.to(dtype)
     x2d = x.reshape(rows, x.shape[-1])
@@ -925,6 +926,16 @@ def cpu_has_bf16():
     try:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except AttributeError:  # private helpers of torch.cpu; a build without them gets fp32
+        return False
+
+
+@functools.cache
+def cpu_has_amx():
+    """Whether this CPU has AMX, Intel's matrix tiles, the hardware for which linear()'s
+    few-row bf16 forms pay (and only there, of the CPUs they were measured on)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # a private helper of torch.cpu; a build without it takes F.linear
         return False
 
 

@@ -11,9 +11,11 @@ matrix kernels, so on other hardware run this before trusting the choice load() 
 
 In bf16 a second table: greedy decode on the row-major model (bf16's order) with every
 product as F.linear computes it, against model.linear's forms for a few rows (the weight
-first, a matrix-vector product for one row) and against the decoder layers' weights packed
-and stacked (M.packed_weights, what sample.generate uses on the CPU in bf16), the three
-taking turns; a ratio above 1 means that form is faster than F.linear.
+first, a matrix-vector product for one row; forced on here, where by default only a CPU
+with AMX takes them) and against the decoder layers' weights packed and stacked
+(M.packed_weights; with the output layer as this CPU computes it by default, this is what
+sample.generate runs on the CPU in bf16), the three taking turns; a ratio above 1 means
+that form is faster than F.linear.
 
     python bench/layout.py
     python bench/layout.py --dtypes fp32,bf16 --batches 8
@@ -41,19 +43,21 @@ def lora_forward_backward(model, ids, rank):
     return step
 
 
-def with_forms(few_rows, pack, fn):
-    """fn run with model.linear's few-row forms up to `few_rows` rows (0: F.linear always)
+def with_forms(few_row_forms, pack, fn):
+    """fn run with model.linear's few-row forms on, off or as this CPU picks them (None),
     and with M.packed_weights on or off."""
     def run():
-        kept, M.FEW_ROWS, M.PACK_ON_CPU = (M.FEW_ROWS, M.PACK_ON_CPU), few_rows, pack
+        kept, M.FEW_ROW_FORMS, M.PACK_ON_CPU = (M.FEW_ROW_FORMS, M.PACK_ON_CPU), few_row_forms, pack
         try:
             return fn()
         finally:
-            M.FEW_ROWS, M.PACK_ON_CPU = kept
+            M.FEW_ROW_FORMS, M.PACK_ON_CPU = kept
     return run
 
 
-FORMS = {"F.linear": (0, False), "model.linear": (M.FEW_ROWS, False), "packed": (M.FEW_ROWS, True)}
+# the last is what sample.generate runs on this CPU: the output layer in model.linear's few-row
+# forms where the CPU has AMX, else in F.linear's
+FORMS = {"F.linear": (False, False), "few-row forms": (True, False), "packed": (None, True)}
 
 
 def main():

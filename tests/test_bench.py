@@ -89,7 +89,7 @@ def test_layout_bench_times_the_few_row_forms_in_bf16(tiny_model):
     layouts, forms = rows[:2], rows[2:]  # row-major against column-major, then the three forms of the products
     assert [r[1] for r in layouts] == ["decode, batch 1", "decode, batch 3"], rows
     assert [(r[1], r[2]) for r in forms] == [(f"decode, batch {b}", form) for b in (1, 3)
-                                             for form in ("F.linear", "model.linear", "packed")], rows
+                                             for form in ("F.linear", "few-row forms", "packed")], rows
     assert all(float(r[4].rstrip("x")) > 0 for r in rows), rows
     assert all(r[4] == "1.00x" and r[-1] == "yes" for r in forms if r[2] == "F.linear"), rows  # each against itself
 

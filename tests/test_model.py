@@ -280,6 +280,13 @@ def test_cpu_has_bf16_reads_the_cpus_own_flags():
     assert M.cpu_has_bf16() == bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="reads the CPU's flags from Linux's /proc/cpuinfo")
+def test_cpu_has_amx_reads_the_cpus_own_flags():
+    with open("/proc/cpuinfo") as f:
+        flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    assert M.cpu_has_amx() == ("amx_tile" in flags)
+
+
 def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note(monkeypatch, capsys):
     args = argparse.Namespace(device="cpu", dtype="bf16")
     for has_bf16, dtype in ((False, "bf16"), (True, "bf16"), (False, None)):
@@ -401,12 +408,14 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model, dropout):
 
 
 @pytest.mark.parametrize("rows", [1, 3, M.FEW_ROWS, M.FEW_ROWS + 1])
-@pytest.mark.parametrize("has_bf16", [True, False], ids=["bf16-cpu", "no-bf16-cpu"])
-def test_linear_computes_f_linear_in_every_form(rows, has_bf16, monkeypatch):
-    # bf16 on the CPU takes a matrix-vector product at one row and, where the CPU has bf16
-    # instructions, the weight-first product up to FEW_ROWS rows; above that, and in fp32 or
-    # with a column-major weight, F.linear
-    monkeypatch.setattr(M, "cpu_has_bf16", lambda: has_bf16)
+@pytest.mark.parametrize("has_amx,forms", [(True, None), (False, None), (False, True), (True, False)],
+                         ids=["amx-cpu", "other-cpu", "forced-on", "forced-off"])
+def test_linear_computes_f_linear_in_every_form(rows, has_amx, forms, monkeypatch):
+    # bf16 on a CPU with AMX (or with the forms forced on) takes a matrix-vector product at
+    # one row and the weight-first product up to FEW_ROWS rows; above that, elsewhere, and
+    # in fp32 or with a column-major weight, F.linear
+    monkeypatch.setattr(M, "cpu_has_amx", lambda: has_amx)
+    monkeypatch.setattr(M, "FEW_ROW_FORMS", forms)
     plain_outputs, f_linear = [], torch.nn.functional.linear  # where F.linear's results lie
 
     def spy(*args):
@@ -424,7 +433,7 @@ def test_linear_computes_f_linear_in_every_form(rows, has_bf16, monkeypatch):
         assert y.shape == (1, rows, 48) and y.dtype == torch.bfloat16 and y.is_contiguous()
         # each output rounded once to bf16 (8 significant bits) after summing in fp32
         assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
-        plain = rows > M.FEW_ROWS or (rows > 1 and not has_bf16)
+        plain = rows > M.FEW_ROWS or not (has_amx if forms is None else forms)
         assert (y.data_ptr() in plain_outputs) == plain  # F.linear's own result where it is the faster form
         y32 = M.linear(x, W, bias, dtype=torch.float32)  # the sampler's logits: converted in the same copy
         assert y32.dtype == torch.float32 and y32.is_contiguous() and torch.equal(y32, y.float())
