@@ -128,23 +128,41 @@ PACK_ON_CPU = True  # False: packed_weights does nothing, saving its copy of the
 
 
 def can_pack(weight):
-    """Whether packed_weights() applies: bf16 on a CPU whose PyTorch has oneDNN's linear."""
-    return (PACK_ON_CPU and weight.device.type == "cpu" and weight.dtype == torch.bfloat16
-            and onednn_linear_works())
+    """Whether packed_weights() applies: on a CPU whose PyTorch has oneDNN's linear, in bf16,
+    and in fp32 on AMD CPUs. There MKL's fp32 products of a few rows, which F.linear runs,
+    were 1.6x (one row) to 3.8x (8 rows) slower than oneDNN's over Qwen3-0.6B's layers; on
+    the Intel Xeon where this was developed packing gained 1.09x at 8 rows in fp32 and lost
+    at one row, so fp32 keeps MKL and column-major weights (lay_out_weights) there."""
+    if not (PACK_ON_CPU and weight.device.type == "cpu"):
+        return False
+    if weight.dtype == torch.float32 and cpu_vendor() != "AuthenticAMD":
+        return False
+    return weight.dtype in (torch.bfloat16, torch.float32) and onednn_linear_works(weight.dtype)
 
 
 @functools.cache
-def onednn_linear_works():
+def onednn_linear_works(dtype=torch.bfloat16):
     """The two oneDNN operators packing relies on are internal to PyTorch (torch.compile
     uses them for frozen weights), so a build may lack them or call them otherwise: tried
-    once on a 2 x 4 product, and packing is skipped, not failed, where they do not give it."""
+    once per dtype on a 2 x 4 product, and packing is skipped, not failed, where they do
+    not give it."""
     try:
-        w = torch.arange(8, dtype=torch.bfloat16).view(2, 4)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4, dtype=torch.bfloat16),
+        w = torch.arange(8, dtype=dtype).view(2, 4)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(1, 4, dtype=dtype),
                                                torch.ops.mkldnn._reorder_linear_weight(w), None, "none", [], "")
-        return torch.backends.mkldnn.is_available() and torch.equal(y, torch.tensor([[6.0, 22.0]]).bfloat16())
+        return torch.backends.mkldnn.is_available() and torch.equal(y, torch.tensor([[6.0, 22.0]], dtype=dtype))
     except (AttributeError, RuntimeError, TypeError):
         return False
+
+
+@functools.cache
+def cpu_vendor():
+    """The CPU's vendor as Linux names it (GenuineIntel, AuthenticAMD), or "" where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), "")
+    except OSError:
+        return ""
 
 
 class PackedWeights:
@@ -187,36 +205,41 @@ def project(x, packed, *layers):
     return tuple(layer(x) for layer in layers)
 
 
-def packing_groups(layer):
-    """The products packed_weights makes for one decoder layer: module -> {name: layers}."""
-    a, m = layer.self_attn, layer.mlp
-    return {a: {"qkv": (a.q_proj, a.k_proj, a.v_proj), "o": (a.o_proj,)},
-            m: {"gate_up": (m.gate_proj, m.up_proj), "down": (m.down_proj,)}}
+def packing_groups(model):
+    """The products packed_weights makes: module -> {name: layers}, four for each decoder
+    layer and the output layer's."""
+    groups = {model: {"head": (model.lm_head,)}}
+    for layer in model.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        groups[a] = {"qkv": (a.q_proj, a.k_proj, a.v_proj), "o": (a.o_proj,)}
+        groups[m] = {"gate_up": (m.gate_proj, m.up_proj), "down": (m.down_proj,)}
+    return groups
 
 
 class packed_weights:
-    """with packed_weights(model): ... runs bf16 forward passes on the CPU with each decoder
-    layer's weights packed into four products: q, k and v stacked, o, gate and up stacked,
-    down (PackedWeights). For the few rows of a decode step oneDNN streams its own blocked
-    layout from memory faster than a plain (out, in) matrix and returns rows directly (no
-    transposing copy, see linear()), and stacking makes fewer, taller products, each with
-    less fixed cost: over Qwen3-0.6B's 28 layers at 8 rows the products take 46 ms against
-    70 ms in F.linear's form (bench/README.md; bench/layout.py times whole decodes). Costs
-    one copy of the layers' weights while inside, made on entry (about half a second for
-    Qwen3-0.6B) and dropped on exit; the output layer stays as it is. Weights changed or
-    swapped inside are noticed (PackedWeights.matches) and run unpacked. Does nothing off
-    the CPU, in other dtypes, or without oneDNN."""
+    """with packed_weights(model): ... runs forward passes on the CPU (where can_pack) with
+    each decoder layer's weights packed into four products: q, k and v stacked, o, gate and
+    up stacked, down (PackedWeights); and the output layer's for the sampler's logits
+    (Qwen3.next_token_logits). For the few rows of a decode step oneDNN streams its own
+    blocked layout from memory faster than a plain (out, in) matrix and returns rows directly
+    (no transposing copy, see linear()), and stacking makes fewer, taller products, each
+    with less fixed cost: over Qwen3-0.6B's 28 layers at 8 rows the products take 46 ms
+    against 70 ms in F.linear's form, the output layer's 8.4 against 13.0 ms in bf16 and 16
+    against 62 ms in fp32 on an AMD EPYC (bench/README.md; bench/layout.py times whole
+    decodes). Costs one copy of the weights while inside, made on entry (about half a
+    second for Qwen3-0.6B) and dropped on exit. Weights changed or swapped inside are
+    noticed (PackedWeights.matches) and run unpacked. Does nothing off the CPU, in fp32 on
+    a CPU other than AMD's, in other dtypes, or without oneDNN."""
 
     def __init__(self, model):
         self.model, self.previous = model, []
 
     def __enter__(self):
         if can_pack(self.model.lm_head.weight):
-            for layer in self.model.model.layers:
-                for module, named in packing_groups(layer).items():
-                    self.previous.append((module, module.packed))
-                    module.packed = {name: PackedWeights(*layers) for name, layers in named.items()
-                                     if all(map(runs_alone, layers))}
+            for module, named in packing_groups(self.model).items():
+                self.previous.append((module, module.packed))
+                module.packed = {name: PackedWeights(*layers) for name, layers in named.items()
+                                 if all(map(runs_alone, layers))}
         return self.model
 
     def __exit__(self, *exc):
@@ -446,6 +469,7 @@ class Qwen3(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.packed = {}  # set by packed_weights: the output layer's product, for sampling
         # True: in training passes each layer keeps only its matrix products and attention
         # outputs for the backward pass and recomputes the elementwise rest (see keep_costly)
         self.recompute = False
@@ -513,6 +537,9 @@ class Qwen3(nn.Module):
     def next_token_logits(self, hidden):
         """fp32 logits (B, vocab) from final hidden states (B, T, hidden) at their last
         position: what a sampler draws from."""
+        head = self.packed.get("head")
+        if head is not None and not torch.is_grad_enabled() and head.matches():
+            return head(hidden[:, -1])[0].float()
         return linear(hidden[:, -1:], self.lm_head.weight, self.lm_head.bias, dtype=torch.float32)[:, -1]
 
     def new_cache(self, batch_size, max_len):

@@ -14,10 +14,10 @@ straggler does not make every other row pay for its tokens; on CUDA the decode s
 captured once as a CUDA graph at a fixed shape and replayed (FixedShapeDecoder), which
 matters more there than the rows saved. A policy's LoRA adapter is folded into a copy of
 the weights it adapts for the length of a call (lora.folded_adapter), so sampling from
-an adapted policy costs what sampling from the plain model does. In bf16 on the CPU the
-decoder layers' weights are also packed for oneDNN for the length of a call
-(model.packed_weights): four stacked products per layer instead of seven, each streaming
-its weights faster.
+an adapted policy costs what sampling from the plain model does. In bf16 on the CPU (and
+in fp32 on AMD CPUs) the decoder layers' weights are also packed for oneDNN for the length
+of a call (model.packed_weights): four stacked products per layer instead of seven, each
+streaming its weights faster.
 """
 import contextlib
 import os
@@ -181,8 +181,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     runs folded into a copy of the weights it adapts for the length of the call
     (lora.folded_adapter): the same policy up to rounding, a decode step up to a fifth
     faster, for one copy of those weights; False runs the adapter's own products, as the
-    training forward pass does. In bf16 on the CPU the (folded) weights are packed too
-    (model.packed_weights), for one more copy of them while the call runs; set
+    training forward pass does. In bf16 on the CPU, and in fp32 on AMD CPUs, the (folded)
+    weights are packed too (model.packed_weights), for one more copy of them while the
+    call runs; set
     model.PACK_ON_CPU = False to spare that memory. Returns a list of Rollout, prompt-major.
     """
     device = model.lm_head.weight.device

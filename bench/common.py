@@ -70,17 +70,16 @@ def products_alone(model, rows, backward=False):
     its input width (a decode step's products at rows = batch) and, with backward, also
     the product that carries a gradient of its output width to its input (a frozen-weight
     training step's products at rows = tokens). Forward products take the form sample.generate
-    gives them: packed and stacked where M.packed_weights applies (bf16 on the CPU), the
-    output layer and the rest through model.linear."""
+    gives them: packed and stacked where M.packed_weights applies (bf16 on the CPU, fp32 on
+    AMD CPUs), through model.linear elsewhere."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     w = model.lm_head.weight
     widths = {n for m in linears for n in ((m.in_features, m.out_features) if backward else (m.in_features,))}
     states = {n: torch.randn(rows, n, dtype=w.dtype, device=w.device) for n in widths}
     packed = []
     if not backward and M.can_pack(w):
-        packed = [M.PackedWeights(*layers) for layer in model.model.layers
-                  for named in M.packing_groups(layer).values() for layers in named.values()]
-        linears = [model.lm_head]
+        packed = [M.PackedWeights(*layers) for named in M.packing_groups(model).values() for layers in named.values()]
+        linears = []
 
     @torch.no_grad()
     def run():

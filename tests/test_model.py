@@ -514,18 +514,24 @@ def test_rms_norm_backward_in_closed_form_matches_autograd_and_keeps_the_input_a
         assert error <= 1.5 * autograd_error + 1e-6 * exact.abs().max(), (error, autograd_error)
 
 
-def bf16_model(name, **overrides):
+def packable_model(name, dtype=torch.bfloat16, **overrides):
     args = dict(TINY_CONFIGS[name], vocab_size=300, rms_norm_eps=1e-6, rope_theta=10000.0,
                 max_position_embeddings=512, eos_token_id=0)
     args.update(overrides)
     model = M.init_weights(M.Qwen3(M.Qwen3Config(**args)), std=0.1, seed=7).eval()
-    return M.lay_out_weights(model.to(torch.bfloat16))
+    return M.lay_out_weights(model.to(dtype))
 
 
-@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
-def test_packed_products_compute_each_layers_own_product():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_packed_products_compute_each_layers_own_product(dtype):
+    if not M.onednn_linear_works(dtype):
+        pytest.skip("this PyTorch has no oneDNN linear")
     g = torch.Generator().manual_seed(0)
-    layers = [torch.nn.Linear(40, n, bias=True).bfloat16() for n in (48, 16, 16)]
+    layers = [torch.nn.Linear(40, n, bias=True).to(dtype) for n in (48, 16, 16)]
+    # fp32 weights column-major, as load() lays them out
+    M.lay_out_weights(torch.nn.Sequential(*layers))
+    # the output rounded once to its dtype, and fp32 sums of 40 terms in some order
+    rounding, slack = (2 ** -8, 1e-3) if dtype == torch.bfloat16 else (2 ** -24, 0.0)
     with torch.no_grad():
         for layer in layers:
             layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
@@ -533,21 +539,64 @@ def test_packed_products_compute_each_layers_own_product():
     layers[1].bias = None  # a layer without bias among layers with one
     packed = M.PackedWeights(*layers)
     for rows in (1, 8, 100):
-        x = torch.randn(2, rows, 40, generator=g).bfloat16()
+        x = torch.randn(2, rows, 40, generator=g).to(dtype)
         outputs = packed(x)
         assert len(outputs) == 3
         for y, layer in zip(outputs, layers):
             bias = None if layer.bias is None else layer.bias.double()
             exact = torch.nn.functional.linear(x.double(), layer.weight.double(), bias)
-            assert y.shape == exact.shape and y.dtype == torch.bfloat16
-            assert ((y.double() - exact).abs() <= exact.abs() * 2 ** -8 + 1e-3).all()
+            terms = torch.nn.functional.linear(x.double().abs(), layer.weight.double().abs(),
+                                               None if bias is None else bias.abs())
+            assert y.shape == exact.shape and y.dtype == dtype
+            assert ((y.double() - exact).abs() <= exact.abs() * rounding + terms * 2 ** -18 + slack).all()
+
+
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
+def test_fp32_packs_only_on_amd_cpus_bf16_on_any(monkeypatch, vendor):
+    monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
+    assert M.can_pack(torch.zeros(1)) == (vendor == "AuthenticAMD" and M.onednn_linear_works(torch.float32))
+    assert M.can_pack(torch.zeros(1, dtype=torch.bfloat16)) == M.onednn_linear_works(torch.bfloat16)
+    assert not M.can_pack(torch.zeros(1, dtype=torch.float64))
+
+
+@pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="reads the CPU's vendor from Linux's /proc/cpuinfo")
+def test_cpu_vendor_reads_the_cpus_own_name():
+    with open("/proc/cpuinfo") as f:
+        names = {line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")}
+    assert M.cpu_vendor() in (names or {""}) and len(names) <= 1
+
+
+@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
+def test_fp32_packed_forward_and_greedy_decode_match_the_plain_ones(monkeypatch, packed_products, tiny_model):
+    from sample import generate
+    monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+    model, tokenizer = M.load(tiny_model)  # fp32, column-major
+    ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids)
+        hidden = model(ids, hidden_only=True)
+        with M.packed_weights(model):
+            packed = model(ids)
+            assert len(packed_products) == 4 * model.config.num_hidden_layers  # the decoder layers'
+            packed_products.clear()
+            logits = model.next_token_logits(hidden)  # a prefill's last positions, not contiguous
+            assert packed_products == [1]  # the output layer's own packed product
+        assert model.packed == {}
+    assert (packed - plain).abs().max() <= 1e-5 * plain.abs().max()  # fp32 sums in another order
+    assert torch.allclose(logits, plain[:, -1], rtol=0, atol=1e-5 * plain.abs().max())
+    packed_products.clear()
+    decoded = generate(model, tokenizer, ids.tolist(), max_new_tokens=6, temperature=0)
+    assert len(packed_products) >= 4 * model.config.num_hidden_layers * 6
+    monkeypatch.setattr(M, "PACK_ON_CPU", False)
+    unpacked = generate(model, tokenizer, ids.tolist(), max_new_tokens=6, temperature=0)
+    assert [r.completion_ids for r in decoded] == [r.completion_ids for r in unpacked]
 
 
 @pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
 @pytest.mark.parametrize("name,bias", [("tied", False), ("untied", False), ("tied", True)])
 def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(monkeypatch, packed_products, name,
                                                                                 bias):
-    model = bf16_model(name, attention_bias=bias)
+    model = packable_model(name, attention_bias=bias)
     ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(1))
     calls = packed_products
     with torch.no_grad():
@@ -572,7 +621,7 @@ def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(
 @pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
 def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(packed_products):
     import lora
-    model = bf16_model("tied")
+    model = packable_model("tied")
     ids = torch.randint(1, 300, (2, 7), generator=torch.Generator().manual_seed(2))
     calls = packed_products
     with M.packed_weights(model):
@@ -603,7 +652,7 @@ def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(pa
         with M.packed_weights(model):
             calls.clear()
             assert torch.equal(model(ids), adapted) and calls == []
-    plain = bf16_model("tied")
+    plain = packable_model("tied")
     with torch.no_grad(), M.packed_weights(plain):
         lora.add_lora(plain, rank=4, alpha=8)
         for mine, theirs in zip(lora.lora_layers(plain).values(), lora.lora_layers(model).values()):
@@ -615,7 +664,7 @@ def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(pa
 
 def test_packing_is_skipped_where_onednns_linear_is_missing_or_wrong(monkeypatch):
     assert M.onednn_linear_works() == M.can_pack(torch.zeros(1, dtype=torch.bfloat16))
-    model = bf16_model("tied")
+    model = packable_model("tied")
     ids = torch.randint(1, 300, (2, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         plain = model(ids)
