@@ -96,10 +96,16 @@ def linear(x, weight, bias=None, dtype=None):
     order, so values agree to bf16 rounding. Without AMX these forms were the slower ones
     (0.54x to 0.84x F.linear's speed at 1 to 8 rows on an AMD EPYC with AVX512-BF16; 0.16x
     to 0.75x at 2 to 8 rows on a Xeon without bf16 instructions, where only the single row
-    gained, 1.11x), so there F.linear serves; bench/layout.py measures both on any machine. In fp32 the column-major weights of
-    lay_out_weights already give the plain form this speed. Inside packed_weights
-    (sample.generate) the decoder layers' products take a faster form still; this one
-    serves the output layer and every forward pass outside it."""
+    gained, 1.11x), so there F.linear serves; bench/layout.py measures both on any
+    machine. In fp32 the column-major weights of lay_out_weights already give the plain
+    form this speed with MKL, and on AMD CPUs products without a gradient go to oneDNN
+    (fp32_by_onednn). Inside packed_weights (sample.generate) the decoder layers' and the
+    output layer's products take a faster form still; this one serves every forward pass
+    outside it."""
+    if x.dtype == torch.float32 and fp32_by_onednn(weight) and not torch.is_autocast_enabled("cpu") and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+        y = onednn_product(x, weight, bias)  # no gradient through it: evaluation, scoring, prefill
+        return y if dtype is None else y.to(dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < rows <= FEW_ROWS and weight.stride(-1) == 1
             and (cpu_has_amx() if FEW_ROW_FORMS is None else FEW_ROW_FORMS)):
@@ -115,6 +121,12 @@ def linear(x, weight, bias=None, dtype=None):
         # rows a quarter of the time of a transposing copy and then a converting one
         y = y.contiguous() if dtype in (None, y.dtype) else y.to(dtype, memory_format=torch.contiguous_format)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def onednn_product(x, weight, bias=None):
+    """F.linear(x, weight, bias) by oneDNN's kernels, in x's dtype, without a gradient;
+    weight in any strides."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
@@ -135,9 +147,18 @@ def can_pack(weight):
     at one row, so fp32 keeps MKL and column-major weights (lay_out_weights) there."""
     if not (PACK_ON_CPU and weight.device.type == "cpu"):
         return False
-    if weight.dtype == torch.float32 and cpu_vendor() != "AuthenticAMD":
-        return False
-    return weight.dtype in (torch.bfloat16, torch.float32) and onednn_linear_works(weight.dtype)
+    return fp32_by_onednn(weight) or (weight.dtype == torch.bfloat16 and onednn_linear_works(torch.bfloat16))
+
+
+def fp32_by_onednn(weight):
+    """Whether fp32 products with this weight go to oneDNN's kernels rather than MKL's: on an
+    AMD CPU, where MKL's ran at a quarter (a decode step's 8 rows, packed) to a half (700 to
+    1,024 rows) of oneDNN's speed over Qwen3-0.6B's layers. Only products that no gradient
+    flows through take it (sampling, evaluation, scoring): training keeps F.linear and its
+    autograd. On Intel CPUs MKL is as fast or faster (packing gained 1.09x at 8 rows in fp32
+    and lost at one)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_vendor() == "AuthenticAMD"
+            and onednn_linear_works(torch.float32))
 
 
 @functools.cache

@@ -416,6 +416,7 @@ def test_linear_computes_f_linear_in_every_form(rows, has_amx, forms, monkeypatc
     # in fp32 or with a column-major weight, F.linear
     monkeypatch.setattr(M, "cpu_has_amx", lambda: has_amx)
     monkeypatch.setattr(M, "FEW_ROW_FORMS", forms)
+    monkeypatch.setattr(M, "cpu_vendor", lambda: "GenuineIntel")  # fp32 by F.linear (MKL), not oneDNN
     plain_outputs, f_linear = [], torch.nn.functional.linear  # where F.linear's results lie
 
     def spy(*args):
@@ -549,6 +550,34 @@ def test_packed_products_compute_each_layers_own_product(dtype):
                                                None if bias is None else bias.abs())
             assert y.shape == exact.shape and y.dtype == dtype
             assert ((y.double() - exact).abs() <= exact.abs() * rounding + terms * 2 ** -18 + slack).all()
+
+
+@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
+def test_fp32_products_without_a_gradient_go_to_onednn_on_amd_cpus(monkeypatch):
+    calls, product = [], M.onednn_product
+    monkeypatch.setattr(M, "onednn_product", lambda *args: calls.append(args[1].shape) or product(*args))
+    g = torch.Generator().manual_seed(0)
+    W, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
+    x = torch.randn(2, 5, 40, generator=g)
+    exact = torch.nn.functional.linear(x.double(), W.double(), b.double())
+    for vendor in ("AuthenticAMD", "GenuineIntel"):
+        monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
+        for weight in (W, W.t().contiguous().t()):  # row-major, and column-major as load() lays out fp32
+            calls.clear()
+            with torch.no_grad():
+                y = M.linear(x, weight, b)
+            assert calls == ([(48, 40)] if vendor == "AuthenticAMD" else []), vendor
+            assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max()  # fp32 sums in some order
+            # a gradient through the product: F.linear and its autograd, to the bit
+            calls.clear()
+            xg = x.clone().requires_grad_(True)
+            M.linear(xg, weight, b).square().sum().backward()
+            x_ref = x.clone().requires_grad_(True)
+            torch.nn.functional.linear(x_ref, weight, b).square().sum().backward()
+            assert calls == [] and torch.equal(xg.grad, x_ref.grad)
+    calls.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bf16 products stay autocast's
+        assert M.linear(x, W, b).dtype == torch.bfloat16 and calls == []
 
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
