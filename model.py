@@ -98,13 +98,13 @@ def linear(x, weight, bias=None, dtype=None):
     to 0.75x at 2 to 8 rows on a Xeon without bf16 instructions, where only the single row
     gained, 1.11x), so there F.linear serves; bench/layout.py measures both on any
     machine. In fp32 the column-major weights of lay_out_weights already give the plain
-    form this speed with MKL, and on AMD CPUs products without a gradient go to oneDNN
-    (fp32_by_onednn). Inside packed_weights (sample.generate) the decoder layers' and the
-    output layer's products take a faster form still; this one serves every forward pass
-    outside it."""
-    if x.dtype == torch.float32 and fp32_by_onednn(weight) and not torch.is_autocast_enabled("cpu") and not (
-            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
-        y = onednn_product(x, weight, bias)  # no gradient through it: evaluation, scoring, prefill
+    form this speed with MKL, and on AMD CPUs they go to oneDNN (fp32_by_onednn), with a
+    gradient through OneDNNLinear. Inside packed_weights (sample.generate) the decoder
+    layers' and the output layer's products take a faster form still; this one serves
+    every forward pass outside it."""
+    if x.dtype == torch.float32 and fp32_by_onednn(weight) and not torch.is_autocast_enabled("cpu"):
+        wants_gradient = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        y = OneDNNLinear.apply(x, weight, bias) if wants_gradient else onednn_product(x, weight, bias)
         return y if dtype is None else y.to(dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not (x.dtype == torch.bfloat16 and x.device.type == "cpu" and 0 < rows <= FEW_ROWS and weight.stride(-1) == 1
@@ -127,6 +127,27 @@ def onednn_product(x, weight, bias=None):
     """F.linear(x, weight, bias) by oneDNN's kernels, in x's dtype, without a gradient;
     weight in any strides."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class OneDNNLinear(torch.autograd.Function):
+    """F.linear by oneDNN's kernels (fp32_by_onednn) with autograd's gradients: the input's
+    by oneDNN too, as the product with the weight's transpose, the weight's and the bias's
+    (where they train) as autograd forms them. Keeps what F.linear keeps: the weight, and
+    the input only where the weight trains."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x if ctx.needs_input_grad[1] else None, weight)
+        return onednn_product(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        d_x = onednn_product(grad, weight.t()) if ctx.needs_input_grad[0] else None
+        flat = grad.reshape(-1, grad.shape[-1])
+        d_weight = flat.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        d_bias = flat.sum(0) if ctx.needs_input_grad[2] else None
+        return d_x, d_weight, d_bias
 
 
 class Linear(nn.Linear):
@@ -153,10 +174,9 @@ def can_pack(weight):
 def fp32_by_onednn(weight):
     """Whether fp32 products with this weight go to oneDNN's kernels rather than MKL's: on an
     AMD CPU, where MKL's ran at a quarter (a decode step's 8 rows, packed) to a half (700 to
-    1,024 rows) of oneDNN's speed over Qwen3-0.6B's layers. Only products that no gradient
-    flows through take it (sampling, evaluation, scoring): training keeps F.linear and its
-    autograd. On Intel CPUs MKL is as fast or faster (packing gained 1.09x at 8 rows in fp32
-    and lost at one)."""
+    1,024 rows) of oneDNN's speed over Qwen3-0.6B's layers; with a gradient through
+    OneDNNLinear. On Intel CPUs MKL is as fast or faster (packing gained 1.09x at 8 rows in
+    fp32 and lost at one)."""
     return (weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_vendor() == "AuthenticAMD"
             and onednn_linear_works(torch.float32))
 
@@ -475,7 +495,12 @@ def keep_costly(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE
     if op == aten.addmm.default and args[1].shape[-1] > 128:
         return CheckpointPolicy.MUST_SAVE
+    if op == _ONEDNN_LINEAR and args[0].shape[-1] > 128:  # OneDNNLinear's products
+        return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ONEDNN_LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "default", None)
 
 
 def recompute_elementwise():
@@ -532,6 +557,10 @@ class Qwen3(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
+        if recompute:
+            # decided once outside the recomputed layers: oneDNN's first trial product run
+            # inside one shifted the products that selective checkpointing keeps
+            fp32_by_onednn(self.lm_head.weight)
         for layer in self.model.layers:
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False,

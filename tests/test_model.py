@@ -553,31 +553,81 @@ def test_packed_products_compute_each_layers_own_product(dtype):
 
 
 @pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
-def test_fp32_products_without_a_gradient_go_to_onednn_on_amd_cpus(monkeypatch):
+def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeypatch):
     calls, product = [], M.onednn_product
-    monkeypatch.setattr(M, "onednn_product", lambda *args: calls.append(args[1].shape) or product(*args))
+    monkeypatch.setattr(M, "onednn_product", lambda *args: calls.append(tuple(args[1].shape)) or product(*args))
     g = torch.Generator().manual_seed(0)
     W, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
     x = torch.randn(2, 5, 40, generator=g)
-    exact = torch.nn.functional.linear(x.double(), W.double(), b.double())
+    upstream = torch.randn(2, 5, 48, generator=g)
+    exact = [t.double().requires_grad_(True) for t in (x, W, b)]
+    y_exact = torch.nn.functional.linear(*exact)
+    y_exact.backward(upstream.double())
     for vendor in ("AuthenticAMD", "GenuineIntel"):
         monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
+        on_amd = vendor == "AuthenticAMD"
         for weight in (W, W.t().contiguous().t()):  # row-major, and column-major as load() lays out fp32
             calls.clear()
             with torch.no_grad():
                 y = M.linear(x, weight, b)
-            assert calls == ([(48, 40)] if vendor == "AuthenticAMD" else []), vendor
-            assert (y.double() - exact).abs().max() <= 1e-5 * exact.abs().max()  # fp32 sums in some order
-            # a gradient through the product: F.linear and its autograd, to the bit
-            calls.clear()
-            xg = x.clone().requires_grad_(True)
-            M.linear(xg, weight, b).square().sum().backward()
-            x_ref = x.clone().requires_grad_(True)
-            torch.nn.functional.linear(x_ref, weight, b).square().sum().backward()
-            assert calls == [] and torch.equal(xg.grad, x_ref.grad)
+            assert calls == ([(48, 40)] if on_amd else []), vendor
+            assert (y.double() - y_exact).abs().max() <= 1e-5 * y_exact.abs().max()  # fp32 sums in some order
+            for weight_trains in (False, True):
+                xg = x.clone().requires_grad_(True)
+                wg, bg = weight.clone().requires_grad_(weight_trains), b.clone().requires_grad_(weight_trains)
+                calls.clear()
+                y = M.linear(xg, wg, bg)
+                y.backward(upstream)
+                # the product, and the input's gradient as the product with the weight's transpose
+                assert calls == ([(48, 40), (40, 48)] if on_amd else []), vendor
+                grads = [xg.grad] + ([wg.grad, bg.grad] if weight_trains else [])
+                for ours, reference in zip(grads, exact):
+                    assert (ours.double() - reference.grad).abs().max() <= 1e-5 * reference.grad.abs().max()
+                assert weight_trains or (wg.grad is None and bg.grad is None)
+                if not on_amd:  # F.linear and its autograd, to the bit
+                    x_ref = x.clone().requires_grad_(True)
+                    torch.nn.functional.linear(x_ref, weight, b).backward(upstream)
+                    assert torch.equal(xg.grad, x_ref.grad)
     calls.clear()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bf16 products stay autocast's
         assert M.linear(x, W, b).dtype == torch.bfloat16 and calls == []
+
+
+@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
+def test_recompute_keeps_onednns_products_and_gives_the_same_gradients(monkeypatch):
+    import lora
+    monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+    # products over an inner dimension above 128, the ones recomputation keeps
+    args = dict(vocab_size=300, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=48, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
+                eos_token_id=0, tie_word_embeddings=True)
+    model = M.lay_out_weights(M.init_weights(M.Qwen3(M.Qwen3Config(**args)), seed=0))
+    lora.add_lora(model, rank=4, alpha=8)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
+    model.train()
+    seqs = [list(range(1, 12)), list(range(20, 29))]
+    calls, product = [], M.onednn_product
+    monkeypatch.setattr(M, "onednn_product", lambda *a: calls.append(1) or product(*a))
+    results, counts = {}, {}
+    for recompute in (True, False):  # recompute first: oneDNN's trial product not yet made
+        M.onednn_linear_works.cache_clear()
+        model.recompute = recompute
+        calls.clear()
+        logp = M.sequence_logprobs(model, seqs, [2, 2])[0]
+        (-logp.mean()).backward()
+        results[recompute] = logp.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        model.zero_grad(set_to_none=True)
+        counts[recompute] = len(calls)
+    # each of the 7 weights' products and its input gradient in both layers, but layer 0's
+    # q, k and v, whose input (the frozen embeddings) takes no gradient; recomputation
+    # replays the 14 forward calls
+    assert counts[False] == 7 * 2 * 2 - 3 and counts[True] == counts[False] + 14, counts
+    (logp0, grads0), (logp1, grads1) = results[False], results[True]
+    assert torch.equal(logp0, logp1)
+    assert grads0.keys() == grads1.keys() and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    M.onednn_linear_works.cache_clear()
 
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
