@@ -87,8 +87,11 @@ def products_alone(model, rows, backward=False):
             group(states[group.layers[0].in_features])
         for m in linears:
             M.linear(states[m.in_features], m.weight, m.bias)
-            if backward:
-                states[m.out_features] @ m.weight
+            if backward:  # the input's gradient, in the form the step computes it
+                if M.fp32_by_onednn(m.weight):
+                    M.onednn_product(states[m.out_features], m.weight.t())
+                else:
+                    states[m.out_features] @ m.weight
     return run
 
 
