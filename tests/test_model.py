@@ -591,6 +591,10 @@ def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeyp
     calls.clear()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bf16 products stay autocast's
         assert M.linear(x, W, b).dtype == torch.bfloat16 and calls == []
+    monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+    sliced = torch.randn(96, 40, generator=g).t().contiguous().t()[:48]  # rows of a column-major weight
+    with torch.no_grad():
+        assert torch.equal(M.linear(x, sliced), torch.nn.functional.linear(x, sliced)) and calls == []
 
 
 @pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
