@@ -232,7 +232,7 @@ class PackedWeights:
                    for layer, (w, v) in zip(self.layers, self.sources))
 
     def __call__(self, x):
-        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = onednn_product(x, self.packed, self.bias)
         return y.split(self.sizes, -1) if len(self.sizes) > 1 else (y,)
 
 
@@ -241,10 +241,15 @@ def runs_alone(layer):
     return getattr(layer, "active", None) == getattr(layer, "merged", None)
 
 
+def runs_packed(packed, layers):
+    """Whether a packed product (packed_weights) serves these layers now: one is set for
+    them, it still matches them and no gradient is wanted."""
+    return packed is not None and not torch.is_grad_enabled() and packed.layers == layers and packed.matches()
+
+
 def project(x, packed, *layers):
-    """Each layer's output for x: from one packed product (packed_weights) when one is set
-    for these layers and still matches them and no gradient is wanted, else layer by layer."""
-    if packed is not None and not torch.is_grad_enabled() and packed.layers == layers and packed.matches():
+    """Each layer's output for x: from one packed product where runs_packed, else layer by layer."""
+    if runs_packed(packed, layers):
         return packed(x)
     return tuple(layer(x) for layer in layers)
 
@@ -507,6 +512,9 @@ _ONEDNN_LINEAR = getattr(getattr(torch.ops.mkldnn, "_linear_pointwise", None), "
 
 
 def recompute_elementwise():
+    # oneDNN's trial product (cached) made before the recomputed region, never first inside
+    # it: run there, it shifted the products that selective checkpointing keeps
+    onednn_linear_works(torch.float32)
     return torch.utils.checkpoint.create_selective_checkpoint_contexts(keep_costly)
 
 
@@ -560,10 +568,6 @@ class Qwen3(nn.Module):
         x = self.model.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         recompute = self.recompute and cache is None and torch.is_grad_enabled()
-        if recompute:
-            # decided once outside the recomputed layers: oneDNN's first trial product run
-            # inside one shifted the products that selective checkpointing keeps
-            fp32_by_onednn(self.lm_head.weight)
         for layer in self.model.layers:
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False,
@@ -591,7 +595,7 @@ class Qwen3(nn.Module):
         """fp32 logits (B, vocab) from final hidden states (B, T, hidden) at their last
         position: what a sampler draws from."""
         head = self.packed.get("head")
-        if head is not None and not torch.is_grad_enabled() and head.matches():
+        if runs_packed(head, (self.lm_head,)):
             return head(hidden[:, -1])[0].float()
         return linear(hidden[:, -1:], self.lm_head.weight, self.lm_head.bias, dtype=torch.float32)[:, -1]
 
