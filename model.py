@@ -174,14 +174,19 @@ def can_pack(weight):
     return fp32_by_onednn(weight) or (weight.dtype == torch.bfloat16 and onednn_linear_works(torch.bfloat16))
 
 
+ONEDNN_MIN_WEIGHT = 2 ** 19  # elements of an fp32 weight below which MKL's product is the quicker
+
+
 def fp32_by_onednn(weight):
     """Whether fp32 products with this weight go to oneDNN's kernels rather than MKL's: on an
     AMD CPU, where MKL's ran at a quarter (a decode step's 8 rows, packed) to a half (700 to
     1,024 rows) of oneDNN's speed over Qwen3-0.6B's layers; with a gradient through
     OneDNNLinear. On Intel CPUs MKL is as fast or faster (packing gained 1.09x at 8 rows in
-    fp32 and lost at one)."""
-    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and cpu_vendor() == "AuthenticAMD"
-            and onednn_linear_works(torch.float32))
+    fp32 and lost at one). Small weights stay with MKL: each oneDNN call costs about 40 us
+    more, so on an AMD EPYC without AVX-512 a 256 x 256 weight ran at 0.3x (one row) to 0.7x
+    (64 rows) MKL's speed, 512 x 512 even, 1024 x 512 1.05x to 1.5x (ONEDNN_MIN_WEIGHT)."""
+    return (weight.dtype == torch.float32 and weight.device.type == "cpu" and weight.numel() >= ONEDNN_MIN_WEIGHT
+            and cpu_vendor() == "AuthenticAMD" and onednn_linear_works(torch.float32))
 
 
 @functools.cache

@@ -23,6 +23,12 @@ SHARED_CONFIG = os.path.join(ROOT, "..", "shared", "qwen3-0.6b-base")
 os.environ["STATES_DEVICE"] = "cpu"
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
+# why a test of oneDNN's products skips: PyTorch's oneDNN operators are internal, and its
+# bf16 kernels need more of the CPU than its fp32 ones (an AMD EPYC with AVX2 and no
+# AVX-512 ran the fp32 ones only)
+ONEDNN_MISSING = "oneDNN's linear does not run in fp32 with this PyTorch on this CPU"
+ONEDNN_BF16_MISSING = "oneDNN's linear does not run in bf16 with this PyTorch on this CPU"
+
 # name -> transformers Qwen3Config arguments; grouped-query ratios 2 and 4, tied and untied
 TINY_CONFIGS = {
     "tied": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

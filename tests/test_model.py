@@ -9,7 +9,7 @@ import torch
 
 import data
 import model as M
-from conftest import DEVICES, SHARED_CONFIG, TINY_CONFIGS, save_hf_model
+from conftest import DEVICES, ONEDNN_BF16_MISSING, ONEDNN_MISSING, SHARED_CONFIG, TINY_CONFIGS, save_hf_model
 
 
 def hf_model(folder):
@@ -526,7 +526,7 @@ def packable_model(name, dtype=torch.bfloat16, **overrides):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_packed_products_compute_each_layers_own_product(dtype):
     if not M.onednn_linear_works(dtype):
-        pytest.skip("this PyTorch has no oneDNN linear")
+        pytest.skip(ONEDNN_BF16_MISSING if dtype == torch.bfloat16 else ONEDNN_MISSING)
     g = torch.Generator().manual_seed(0)
     layers = [torch.nn.Linear(40, n, bias=True).to(dtype) for n in (48, 16, 16)]
     # fp32 weights column-major, as load() lays them out
@@ -552,8 +552,9 @@ def test_packed_products_compute_each_layers_own_product(dtype):
             assert ((y.double() - exact).abs() <= exact.abs() * rounding + terms * 2 ** -18 + slack).all()
 
 
-@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING)
 def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeypatch):
+    monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 48 * 40)
     calls, product = [], M.onednn_product
     monkeypatch.setattr(M, "onednn_product", lambda *args: calls.append(tuple(args[1].shape)) or product(*args))
     g = torch.Generator().manual_seed(0)
@@ -595,12 +596,16 @@ def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeyp
     sliced = torch.randn(96, 40, generator=g).t().contiguous().t()[:48]  # rows of a column-major weight
     with torch.no_grad():
         assert torch.equal(M.linear(x, sliced), torch.nn.functional.linear(x, sliced)) and calls == []
+        # a weight below the size where oneDNN's cost per call pays: MKL's product, to the bit
+        small = W[:47]
+        assert torch.equal(M.linear(x, small, b[:47]), torch.nn.functional.linear(x, small, b[:47])) and calls == []
 
 
-@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING)
 def test_recompute_keeps_onednns_products_and_gives_the_same_gradients(monkeypatch):
     import lora
     monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
     # products over an inner dimension above 128, the ones recomputation keeps
     args = dict(vocab_size=300, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=48, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
@@ -637,7 +642,9 @@ def test_recompute_keeps_onednns_products_and_gives_the_same_gradients(monkeypat
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel", ""])
 def test_fp32_packs_only_on_amd_cpus_bf16_on_any(monkeypatch, vendor):
     monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
-    assert M.can_pack(torch.zeros(1)) == (vendor == "AuthenticAMD" and M.onednn_linear_works(torch.float32))
+    large = torch.zeros(M.ONEDNN_MIN_WEIGHT)
+    assert M.can_pack(large) == (vendor == "AuthenticAMD" and M.onednn_linear_works(torch.float32))
+    assert not M.can_pack(large[1:])
     assert M.can_pack(torch.zeros(1, dtype=torch.bfloat16)) == M.onednn_linear_works(torch.bfloat16)
     assert not M.can_pack(torch.zeros(1, dtype=torch.float64))
 
@@ -649,10 +656,11 @@ def test_cpu_vendor_reads_the_cpus_own_name():
     assert M.cpu_vendor() in (names or {""}) and len(names) <= 1
 
 
-@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING)
 def test_fp32_packed_forward_and_greedy_decode_match_the_plain_ones(monkeypatch, packed_products, tiny_model):
     from sample import generate
     monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
     model, tokenizer = M.load(tiny_model)  # fp32, column-major
     ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -675,7 +683,7 @@ def test_fp32_packed_forward_and_greedy_decode_match_the_plain_ones(monkeypatch,
     assert [r.completion_ids for r in decoded] == [r.completion_ids for r in unpacked]
 
 
-@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason=ONEDNN_BF16_MISSING)
 @pytest.mark.parametrize("name,bias", [("tied", False), ("untied", False), ("tied", True)])
 def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(monkeypatch, packed_products, name,
                                                                                 bias):
@@ -701,7 +709,7 @@ def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(
         assert torch.equal(model(ids).float(), plain) and calls == []
 
 
-@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason="this PyTorch has no oneDNN linear")
+@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason=ONEDNN_BF16_MISSING)
 def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(packed_products):
     import lora
     model = packable_model("tied")
