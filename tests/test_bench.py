@@ -1,20 +1,30 @@
 """The benchmarks on a tiny model: they run end to end, and the checks they print (ours
 against transformers / peft on the same weights) come out as they must in fp32."""
+import contextlib
+import io
 import os
-import subprocess
+import runpy
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
 
 
 def bench(name, *args, dtype="fp32"):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", name), "--dtypes", dtype, "--device", "cpu", *args],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    table = [line for line in out.stdout.splitlines() if line.startswith(f"| {dtype}")]
-    assert table, out.stdout
+    """The table rows a benchmark prints for dtype, run as `python bench/NAME ...` runs it
+    but in this process: a process of its own spent about 10 s importing transformers."""
+    argv, path, stdout = sys.argv, list(sys.path), io.StringIO()
+    sys.argv = [os.path.join(BENCH, name), "--dtypes", dtype, "--device", "cpu", *map(str, args)]
+    sys.path.insert(0, BENCH)
+    try:
+        with contextlib.redirect_stdout(stdout):
+            runpy.run_path(sys.argv[0], run_name="__main__")
+    finally:
+        sys.argv, sys.path[:] = argv, path
+    table = [line for line in stdout.getvalue().splitlines() if line.startswith(f"| {dtype}")]
+    assert table, stdout.getvalue()
     return [[cell.strip() for cell in line.strip("|").split("|")] for line in table]
 
 

@@ -347,12 +347,15 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir,
         assert ("has not finished" in capsys.readouterr().out) == unfinished
 
 
-def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path):
+def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkeypatch):
     def run(teacher, model):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "opd.py"), "--teacher", str(teacher),
-                            *common(model, data_dir, tmp_path / "o", "--max-steps", 1)], capture_output=True, text=True)
-        assert r.returncode != 0
-        return r.stderr.strip().splitlines()
+        # the script's own entry point, in this process (a subprocess per case cost seconds
+        # of imports; test_a_missing_model_or_data_folder_is_one_line_from_a_script runs one)
+        monkeypatch.setattr(sys, "argv", ["opd.py", "--teacher", str(teacher),
+                                          *common(model, data_dir, tmp_path / "o", "--max-steps", 1)])
+        with pytest.raises(SystemExit) as e:
+            M.run_script(opd.main)
+        return str(e.value.code).strip().splitlines()
 
     lines = run("does/not/exist", tiny_models["tied"])
     assert len(lines) == 1 and "does/not/exist does not exist" in lines[0]
