@@ -56,8 +56,8 @@ def build(config_dir, dtype, device, seed=0):
 def ours_on(ref, config_dir):
     """Our model reading the tensors of model ref (transformers' or ours; the names are the
     same): the very same tensors where the memory layouts agree, else its own copy laid
-    out as model.load() lays it out (column-major on the CPU in fp32, see
-    model.lay_out_weights), as a user gets it."""
+    out as model.load() lays it out (column-major on the CPU in fp32 where MKL multiplies,
+    see model.lay_out_weights), as a user gets it."""
     with torch.device("meta"):
         ours = M.Qwen3(M.read_config(config_dir))
     M.load_weights(ours, dict(ref.state_dict()), "reference model")

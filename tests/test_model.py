@@ -371,6 +371,20 @@ def test_weights_are_laid_out_per_dtype_and_compute_the_same(tiny_models, name):
     assert all(m.weight.stride() == (1, m.weight.shape[0]) for m in bf16.modules() if isinstance(m, torch.nn.Linear))
 
 
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
+def test_fp32_weights_that_go_to_onednn_stay_row_major(monkeypatch, tiny_models, vendor):
+    monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
+    ours, _ = M.load(tiny_models["untied"])
+    sizes = sorted({m.weight.numel() for m in ours.modules() if isinstance(m, torch.nn.Linear)})
+    monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", sizes[1])  # the smallest weights stay below it
+    M.lay_out_weights(ours)
+    for m in ours.modules():
+        if isinstance(m, torch.nn.Linear):
+            by_onednn = vendor == "AuthenticAMD" and m.weight.numel() >= sizes[1] and M.onednn_linear_works(torch.float32)
+            # oneDNN's products (and packing) read row-major weights; MKL's column-major ones
+            assert m.weight.is_contiguous() if by_onednn else m.weight.stride() == (1, m.weight.shape[0]), m
+
+
 def bytes_kept(fn):
     """(fn(), bytes allocated while fn ran and still held after it): for a forward pass on
     the CPU, what it keeps for the backward pass plus its outputs."""
