@@ -181,10 +181,10 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     runs folded into a copy of the weights it adapts for the length of the call
     (lora.folded_adapter): the same policy up to rounding, a decode step up to a fifth
     faster, for one copy of those weights; False runs the adapter's own products, as the
-    training forward pass does. In bf16 on the CPU, and in fp32 on AMD CPUs, the (folded)
-    weights are packed too (model.packed_weights), for one more copy of them while the
-    call runs; set model.PACK_ON_CPU = False to spare that memory. Returns a list of
-    Rollout, prompt-major.
+    training forward pass does. In bf16 on the CPU, and in fp32 on AMD CPUs from two rows
+    (prompts times n), the (folded) weights are packed too (model.packed_weights), for
+    one more copy of them while the call runs; set model.PACK_ON_CPU = False to spare that
+    memory. Returns a list of Rollout, prompt-major.
     """
     device = model.lm_head.weight.device
     if decode == "auto":
@@ -195,8 +195,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
         raise InputError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed' or 'graph'")
     if decode == "graph" and device.type != "cuda":
         raise InputError(f"decode='graph' needs a CUDA device, the model is on {device}; use decode='fixed' or 'auto'")
-    # packing (bf16 on the CPU) reads the weights as folded, so it goes inside the fold
-    with lora.folded_adapter(model) if fold_adapter else contextlib.nullcontext(), packed_weights(model):
+    # packing reads the weights as folded, so it goes inside the fold
+    with (lora.folded_adapter(model) if fold_adapter else contextlib.nullcontext(),
+          packed_weights(model, rows=len(prompts) * n)):
         return _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed,
                          progress, decode)
 

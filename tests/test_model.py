@@ -692,6 +692,12 @@ def test_fp32_packed_forward_and_greedy_decode_match_the_plain_ones(monkeypatch,
     packed_products.clear()
     decoded = generate(model, tokenizer, ids.tolist(), max_new_tokens=6, temperature=0)
     assert len(packed_products) >= 4 * model.config.num_hidden_layers * 6
+    # a single row does not pack in fp32, two samples of one prompt do
+    packed_products.clear()
+    single = generate(model, tokenizer, ids[:1].tolist(), max_new_tokens=6, temperature=0)
+    assert packed_products == [] and single[0].completion_ids == decoded[0].completion_ids
+    generate(model, tokenizer, ids[:1].tolist(), n=2, max_new_tokens=2, temperature=0)
+    assert len(packed_products) >= 4 * model.config.num_hidden_layers
     monkeypatch.setattr(M, "PACK_ON_CPU", False)
     unpacked = generate(model, tokenizer, ids.tolist(), max_new_tokens=6, temperature=0)
     assert [r.completion_ids for r in decoded] == [r.completion_ids for r in unpacked]
