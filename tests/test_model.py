@@ -98,14 +98,22 @@ def test_token_logprobs_equal_log_softmax(tiny_model):
     ours.lm_head.weight.requires_grad_(False)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", pytest.param("fp32-onednn", marks=pytest.mark.skipif(
+    not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING))])
 @pytest.mark.parametrize("vocab_slice", [4096, 96])
 def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype, vocab_slice, monkeypatch):
     # with the output layer frozen (LoRA): no gradient, and HeadLogprob's value and gradient
     # formed in the forward pass, over uneven chunks (4, 4, ..., fewer) and either the whole
     # vocabulary (400) in one slice or slices of 96 (the last one 16), where the running max
-    # and sums are rescaled
+    # and sums are rescaled; fp32-onednn: the products as an AMD CPU takes Qwen3-0.6B's
     monkeypatch.setattr(M, "VOCAB_SLICE", vocab_slice)
+    calls = None
+    if dtype == "fp32-onednn":
+        monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+        monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
+        calls, product = [], M.onednn_product
+        monkeypatch.setattr(M, "onednn_product", lambda *a: calls.append(1) or product(*a))
+        dtype = "fp32"
     ours, tok = M.load(tiny_model, dtype=dtype)
     ours.requires_grad_(False)
     ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
@@ -120,7 +128,10 @@ def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype
         assert torch.allclose(ours.token_logprobs(hidden, targets, chunk_size=4), expected, atol=1e-5)
     weights = torch.linspace(-1.0, 2.0, len(targets))
     h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
+    if calls is not None:
+        calls.clear()
     got = ours.token_logprobs(h1, targets, chunk_size=4)
+    assert calls is None or len(calls) > 0  # fp32-onednn: the output layer's products went to oneDNN
     with torch.no_grad():  # the values of a pass without a gradient, to the bit
         assert torch.equal(got.detach(), ours.token_logprobs(hidden, targets, chunk_size=4))
     (got * weights).sum().backward()
@@ -297,12 +308,19 @@ def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note(monkeypatch, capsys
         assert noted == (dtype == "bf16" and not has_bf16)
 
 
+@pytest.mark.parametrize("products", ["plain", pytest.param("onednn", marks=pytest.mark.skipif(
+    not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING))])
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
 @pytest.mark.parametrize("head, vocab_slice", [("trainable", 4096), ("frozen", 4096), ("frozen", 96)])
-def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, monkeypatch):
+def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, products, monkeypatch):
     # a trainable output layer takes checkpointed chunks; a frozen one (LoRA), and any pass
     # without a gradient, HeadKL over the whole 400-token vocabulary or slices of 96
     monkeypatch.setattr(M, "VOCAB_SLICE", vocab_slice)
+    calls, product = [], M.onednn_product
+    monkeypatch.setattr(M, "onednn_product", lambda *a: calls.append(1) or product(*a))
+    if products == "onednn":  # as an AMD CPU multiplies Qwen3-0.6B's weights, row-major slices included
+        monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+        monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
     ours, tok = M.load(tiny_model)
     ours.lm_head.weight.requires_grad_(head == "trainable")
     ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
@@ -310,7 +328,9 @@ def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, m
         hs = ours(ids, hidden_only=True)[0]
     ht = hs.roll(1, 0)  # another distribution at every position
     h1 = hs.clone().requires_grad_(True)
+    calls.clear()
     got = ours.token_kl(h1, ht, direction, chunk_size=3)
+    assert bool(calls) == (products == "onednn")  # the output layer's products
     h2 = hs.clone().requires_grad_(True)
     ls, lt = ours.lm_head(h2).log_softmax(-1), ours.lm_head(ht).log_softmax(-1)
     expected = (ls.exp() * (ls - lt)).sum(-1) if direction == "reverse" else (lt.exp() * (lt - ls)).sum(-1)
@@ -644,9 +664,10 @@ def test_recompute_keeps_onednns_products_and_gives_the_same_gradients(monkeypat
         model.zero_grad(set_to_none=True)
         counts[recompute] = len(calls)
     # each of the 7 weights' products and its input gradient in both layers, but layer 0's
-    # q, k and v, whose input (the frozen embeddings) takes no gradient; recomputation
-    # replays the 14 forward calls
-    assert counts[False] == 7 * 2 * 2 - 3 and counts[True] == counts[False] + 14, counts
+    # q, k and v, whose input (the frozen embeddings) takes no gradient, and the output
+    # layer's two in HeadLogprob (the logits, and the softmax-weighted sum of its rows, one
+    # vocabulary slice here); recomputation replays the 14 forward calls
+    assert counts[False] == 7 * 2 * 2 - 3 + 2 and counts[True] == counts[False] + 14, counts
     (logp0, grads0), (logp1, grads1) = results[False], results[True]
     assert torch.equal(logp0, logp1)
     assert grads0.keys() == grads1.keys() and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
