@@ -99,9 +99,9 @@ def linear(x, weight, bias=None, dtype=None):
     gained, 1.11x), so there F.linear serves; bench/layout.py measures both on any
     machine. In fp32 the column-major weights of lay_out_weights already give the plain
     form this speed with MKL, and on AMD CPUs the larger ones go to oneDNN, row-major
-    (fp32_by_onednn), with a gradient through OneDNNLinear. Inside packed_weights (sample.generate) the decoder
-    layers' and the output layer's products take a faster form still; this one serves
-    every forward pass outside it."""
+    (fp32_by_onednn), with a gradient through OneDNNLinear. Inside packed_weights
+    (sample.generate) the decoder layers' and the output layer's products take a faster
+    form still; this one serves every forward pass outside it."""
     # a weight dense in one order or the other: over a strided slice of a column-major
     # weight oneDNN took 1,000 times MKL's time
     if (x.dtype == torch.float32 and fp32_by_onednn(weight) and not torch.is_autocast_enabled("cpu")
@@ -290,12 +290,11 @@ class packed_weights:
     MLP layer's 1.7 against 2.2) and packing Qwen3-0.6B took about 2 s there."""
 
     def __init__(self, model, rows=None):
-        self.model, self.previous = model, []
-        weight = model.lm_head.weight
-        self.wanted = can_pack(weight) and not (rows == 1 and weight.dtype == torch.float32)
+        self.model, self.rows, self.previous = model, rows, []
 
     def __enter__(self):
-        if self.wanted:
+        weight = self.model.lm_head.weight
+        if can_pack(weight) and not (self.rows == 1 and weight.dtype == torch.float32):
             for module, named in packing_groups(self.model).items():
                 self.previous.append((module, module.packed))
                 module.packed = {name: PackedWeights(*layers) for name, layers in named.items()

@@ -102,5 +102,16 @@ def packed_products(monkeypatch):
 
 
 @pytest.fixture
+def onednn_products(monkeypatch):
+    """A list that gets one entry per unpacked oneDNN product run (model.onednn_product)
+    during the test: the shape of the weight it multiplies by."""
+    import model
+    shapes = []
+    product = model.onednn_product
+    monkeypatch.setattr(model, "onednn_product", lambda *args: shapes.append(tuple(args[1].shape)) or product(*args))
+    return shapes
+
+
+@pytest.fixture
 def seeded():
     torch.manual_seed(0)

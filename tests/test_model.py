@@ -12,6 +12,13 @@ import model as M
 from conftest import DEVICES, ONEDNN_BF16_MISSING, ONEDNN_MISSING, SHARED_CONFIG, TINY_CONFIGS, save_hf_model
 
 
+def every_fp32_weight_to_onednn(monkeypatch):
+    """fp32 products as an AMD CPU multiplies Qwen3-0.6B's weights (oneDNN's, row-major),
+    for the tiny test models' weights too."""
+    monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
+
+
 def hf_model(folder):
     from transformers import Qwen3ForCausalLM
     return Qwen3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
@@ -101,18 +108,16 @@ def test_token_logprobs_equal_log_softmax(tiny_model):
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", pytest.param("fp32-onednn", marks=pytest.mark.skipif(
     not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING))])
 @pytest.mark.parametrize("vocab_slice", [4096, 96])
-def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype, vocab_slice, monkeypatch):
+def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype, vocab_slice, monkeypatch,
+                                                              onednn_products):
     # with the output layer frozen (LoRA): no gradient, and HeadLogprob's value and gradient
     # formed in the forward pass, over uneven chunks (4, 4, ..., fewer) and either the whole
     # vocabulary (400) in one slice or slices of 96 (the last one 16), where the running max
     # and sums are rescaled; fp32-onednn: the products as an AMD CPU takes Qwen3-0.6B's
     monkeypatch.setattr(M, "VOCAB_SLICE", vocab_slice)
-    calls = None
-    if dtype == "fp32-onednn":
-        monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
-        monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
-        calls, product = [], M.onednn_product
-        monkeypatch.setattr(M, "onednn_product", lambda *a: calls.append(1) or product(*a))
+    by_onednn = dtype == "fp32-onednn"
+    if by_onednn:
+        every_fp32_weight_to_onednn(monkeypatch)
         dtype = "fp32"
     ours, tok = M.load(tiny_model, dtype=dtype)
     ours.requires_grad_(False)
@@ -128,10 +133,9 @@ def test_frozen_head_logprobs_equal_log_softmax_in_both_dtypes(tiny_model, dtype
         assert torch.allclose(ours.token_logprobs(hidden, targets, chunk_size=4), expected, atol=1e-5)
     weights = torch.linspace(-1.0, 2.0, len(targets))
     h1, h2 = hidden.clone().requires_grad_(True), hidden.clone().requires_grad_(True)
-    if calls is not None:
-        calls.clear()
+    onednn_products.clear()
     got = ours.token_logprobs(h1, targets, chunk_size=4)
-    assert calls is None or len(calls) > 0  # fp32-onednn: the output layer's products went to oneDNN
+    assert bool(onednn_products) == by_onednn  # the output layer's products
     with torch.no_grad():  # the values of a pass without a gradient, to the bit
         assert torch.equal(got.detach(), ours.token_logprobs(hidden, targets, chunk_size=4))
     (got * weights).sum().backward()
@@ -312,15 +316,13 @@ def test_bf16_on_a_cpu_without_bf16_instructions_gets_a_note(monkeypatch, capsys
     not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING))])
 @pytest.mark.parametrize("direction", ["reverse", "forward"])
 @pytest.mark.parametrize("head, vocab_slice", [("trainable", 4096), ("frozen", 4096), ("frozen", 96)])
-def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, products, monkeypatch):
+def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, products, monkeypatch,
+                                    onednn_products):
     # a trainable output layer takes checkpointed chunks; a frozen one (LoRA), and any pass
     # without a gradient, HeadKL over the whole 400-token vocabulary or slices of 96
     monkeypatch.setattr(M, "VOCAB_SLICE", vocab_slice)
-    calls, product = [], M.onednn_product
-    monkeypatch.setattr(M, "onednn_product", lambda *a: calls.append(1) or product(*a))
-    if products == "onednn":  # as an AMD CPU multiplies Qwen3-0.6B's weights, row-major slices included
-        monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
-        monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
+    if products == "onednn":  # row-major vocabulary slices included
+        every_fp32_weight_to_onednn(monkeypatch)
     ours, tok = M.load(tiny_model)
     ours.lm_head.weight.requires_grad_(head == "trainable")
     ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
@@ -328,9 +330,9 @@ def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, p
         hs = ours(ids, hidden_only=True)[0]
     ht = hs.roll(1, 0)  # another distribution at every position
     h1 = hs.clone().requires_grad_(True)
-    calls.clear()
+    onednn_products.clear()
     got = ours.token_kl(h1, ht, direction, chunk_size=3)
-    assert bool(calls) == (products == "onednn")  # the output layer's products
+    assert bool(onednn_products) == (products == "onednn")  # the output layer's products
     h2 = hs.clone().requires_grad_(True)
     ls, lt = ours.lm_head(h2).log_softmax(-1), ours.lm_head(ht).log_softmax(-1)
     expected = (ls.exp() * (ls - lt)).sum(-1) if direction == "reverse" else (lt.exp() * (lt - ls)).sum(-1)
@@ -400,7 +402,8 @@ def test_fp32_weights_that_go_to_onednn_stay_row_major(monkeypatch, tiny_models,
     M.lay_out_weights(ours)
     for m in ours.modules():
         if isinstance(m, torch.nn.Linear):
-            by_onednn = vendor == "AuthenticAMD" and m.weight.numel() >= sizes[1] and M.onednn_linear_works(torch.float32)
+            by_onednn = (vendor == "AuthenticAMD" and m.weight.numel() >= sizes[1]
+                         and M.onednn_linear_works(torch.float32))
             # oneDNN's products (and packing) read row-major weights; MKL's column-major ones
             assert m.weight.is_contiguous() if by_onednn else m.weight.stride() == (1, m.weight.shape[0]), m
 
@@ -587,10 +590,8 @@ def test_packed_products_compute_each_layers_own_product(dtype):
 
 
 @pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING)
-def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeypatch):
+def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeypatch, onednn_products):
     monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 48 * 40)
-    calls, product = [], M.onednn_product
-    monkeypatch.setattr(M, "onednn_product", lambda *args: calls.append(tuple(args[1].shape)) or product(*args))
     g = torch.Generator().manual_seed(0)
     W, b = torch.randn(48, 40, generator=g), torch.randn(48, generator=g)
     x = torch.randn(2, 5, 40, generator=g)
@@ -602,19 +603,19 @@ def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeyp
         monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
         on_amd = vendor == "AuthenticAMD"
         for weight in (W, W.t().contiguous().t()):  # row-major, and column-major as load() lays out fp32
-            calls.clear()
+            onednn_products.clear()
             with torch.no_grad():
                 y = M.linear(x, weight, b)
-            assert calls == ([(48, 40)] if on_amd else []), vendor
+            assert onednn_products == ([(48, 40)] if on_amd else []), vendor
             assert (y.double() - y_exact).abs().max() <= 1e-5 * y_exact.abs().max()  # fp32 sums in some order
             for weight_trains in (False, True):
                 xg = x.clone().requires_grad_(True)
                 wg, bg = weight.clone().requires_grad_(weight_trains), b.clone().requires_grad_(weight_trains)
-                calls.clear()
+                onednn_products.clear()
                 y = M.linear(xg, wg, bg)
                 y.backward(upstream)
                 # the product, and the input's gradient as the product with the weight's transpose
-                assert calls == ([(48, 40), (40, 48)] if on_amd else []), vendor
+                assert onednn_products == ([(48, 40), (40, 48)] if on_amd else []), vendor
                 grads = [xg.grad] + ([wg.grad, bg.grad] if weight_trains else [])
                 for ours, reference in zip(grads, exact):
                     assert (ours.double() - reference.grad).abs().max() <= 1e-5 * reference.grad.abs().max()
@@ -623,23 +624,23 @@ def test_fp32_products_go_to_onednn_on_amd_cpus_with_autograds_gradients(monkeyp
                     x_ref = x.clone().requires_grad_(True)
                     torch.nn.functional.linear(x_ref, weight, b).backward(upstream)
                     assert torch.equal(xg.grad, x_ref.grad)
-    calls.clear()
+    onednn_products.clear()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):  # autocast's bf16 products stay autocast's
-        assert M.linear(x, W, b).dtype == torch.bfloat16 and calls == []
+        assert M.linear(x, W, b).dtype == torch.bfloat16 and onednn_products == []
     monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
     sliced = torch.randn(96, 40, generator=g).t().contiguous().t()[:48]  # rows of a column-major weight
     with torch.no_grad():
-        assert torch.equal(M.linear(x, sliced), torch.nn.functional.linear(x, sliced)) and calls == []
+        assert torch.equal(M.linear(x, sliced), torch.nn.functional.linear(x, sliced)) and onednn_products == []
         # a weight below the size where oneDNN's cost per call pays: MKL's product, to the bit
-        small = W[:47]
-        assert torch.equal(M.linear(x, small, b[:47]), torch.nn.functional.linear(x, small, b[:47])) and calls == []
+        small, small_bias = W[:47], b[:47]
+        assert torch.equal(M.linear(x, small, small_bias), torch.nn.functional.linear(x, small, small_bias))
+        assert onednn_products == []
 
 
 @pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING)
-def test_recompute_keeps_onednns_products_and_gives_the_same_gradients(monkeypatch):
+def test_recompute_keeps_onednns_products_and_gives_the_same_gradients(monkeypatch, onednn_products):
     import lora
-    monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
+    every_fp32_weight_to_onednn(monkeypatch)
     # products over an inner dimension above 128, the ones recomputation keeps
     args = dict(vocab_size=300, hidden_size=192, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=48, rms_norm_eps=1e-6, rope_theta=1e4, max_position_embeddings=512,
@@ -651,18 +652,16 @@ def test_recompute_keeps_onednns_products_and_gives_the_same_gradients(monkeypat
             p.normal_(0, 0.1, generator=torch.Generator().manual_seed(p.numel()))
     model.train()
     seqs = [list(range(1, 12)), list(range(20, 29))]
-    calls, product = [], M.onednn_product
-    monkeypatch.setattr(M, "onednn_product", lambda *a: calls.append(1) or product(*a))
     results, counts = {}, {}
     for recompute in (True, False):  # recompute first: oneDNN's trial product not yet made
         M.onednn_linear_works.cache_clear()
         model.recompute = recompute
-        calls.clear()
+        onednn_products.clear()
         logp = M.sequence_logprobs(model, seqs, [2, 2])[0]
         (-logp.mean()).backward()
         results[recompute] = logp.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
         model.zero_grad(set_to_none=True)
-        counts[recompute] = len(calls)
+        counts[recompute] = len(onednn_products)
     # each of the 7 weights' products and its input gradient in both layers, but layer 0's
     # q, k and v, whose input (the frozen embeddings) takes no gradient, and the output
     # layer's two in HeadLogprob (the logits, and the softmax-weighted sum of its rows, one
@@ -694,9 +693,8 @@ def test_cpu_vendor_reads_the_cpus_own_name():
 @pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING)
 def test_fp32_packed_forward_and_greedy_decode_match_the_plain_ones(monkeypatch, packed_products, tiny_model):
     from sample import generate
-    monkeypatch.setattr(M, "cpu_vendor", lambda: "AuthenticAMD")
-    monkeypatch.setattr(M, "ONEDNN_MIN_WEIGHT", 0)
-    model, tokenizer = M.load(tiny_model)  # fp32, column-major
+    every_fp32_weight_to_onednn(monkeypatch)
+    model, tokenizer = M.load(tiny_model)  # fp32, row-major as oneDNN's weights are
     ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(ids)
