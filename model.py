@@ -164,14 +164,32 @@ PACK_ON_CPU = True  # False: packed_weights does nothing, saving its copy of the
 
 
 def can_pack(weight):
-    """Whether packed_weights() applies: on a CPU whose PyTorch has oneDNN's linear, in bf16,
-    and in fp32 on AMD CPUs. There MKL's fp32 products of a few rows, which F.linear runs,
-    were 1.6x (one row) to 3.8x (8 rows) slower than oneDNN's over Qwen3-0.6B's layers; on
-    the Intel Xeon where this was developed packing gained 1.09x at 8 rows in fp32 and lost
-    at one row, so fp32 keeps MKL and column-major weights (lay_out_weights) there."""
+    """Whether packed_weights() applies to this weight (packing_dtype)."""
+    return packing_dtype(weight) is not None
+
+
+def packing_dtype(weight):
+    """The dtype in which packed_weights() packs this weight, or None where it does not:
+    on a CPU whose PyTorch has oneDNN's linear, bf16 as bf16, and fp32 on AMD CPUs. There
+    MKL's fp32 products of a few rows, which F.linear runs, were 1.6x (one row) to 3.8x (8
+    rows) slower than oneDNN's over Qwen3-0.6B's layers; on the Intel Xeon where this was
+    developed packing gained 1.09x at 8 rows in fp32 and lost at one row, so fp32 keeps MKL
+    and column-major weights (lay_out_weights) there. Where oneDNN has no bf16 linear (a CPU
+    without AVX-512), bf16 weights pack as fp32 copies, the products converting their
+    inputs to fp32 and their outputs back: the same bf16 values in, fp32 sums, the outputs
+    rounded to bf16 as bf16 products round them. On an AMD EPYC with AVX2 only PyTorch's own
+    bf16 product of a (3,072, 1,024) weight took 3.8 ms at 8 rows against 2.1 ms so, and
+    448 against 69 ms at 1,024 rows."""
     if not (PACK_ON_CPU and weight.device.type == "cpu"):
-        return False
-    return fp32_by_onednn(weight) or (weight.dtype == torch.bfloat16 and onednn_linear_works(torch.bfloat16))
+        return None
+    if fp32_by_onednn(weight):
+        return torch.float32
+    if weight.dtype == torch.bfloat16:
+        if onednn_linear_works(torch.bfloat16):
+            return torch.bfloat16
+        if onednn_linear_works(torch.float32):
+            return torch.float32
+    return None
 
 
 ONEDNN_MIN_WEIGHT = 2 ** 19  # elements of an fp32 weight below which MKL's product is the quicker
@@ -225,19 +243,25 @@ class PackedWeights:
         self.layers = layers
         self.sources = [(layer.weight, layer.weight._version) for layer in layers]
         self.sizes = [layer.out_features for layer in layers]
+        self.dtype = packing_dtype(layers[0].weight) or layers[0].weight.dtype
         with torch.no_grad():
             weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous())
+            weight = weight.to(self.dtype)
+            # oneDNN reorders a column-major weight itself, in two thirds of the time that a
+            # transposing copy and then its reorder take
+            dense = weight.is_contiguous() or weight.t().is_contiguous()
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight if dense else weight.contiguous())
             biases = [layer.bias for layer in layers]
             self.bias = None if all(b is None for b in biases) else torch.cat(
-                [b if b is not None else weight.new_zeros(n) for b, n in zip(biases, self.sizes)])
+                [b if b is not None else weight.new_zeros(n) for b, n in zip(biases, self.sizes)]).to(self.dtype)
 
     def matches(self):
         return all(layer.weight is w and w._version == v and runs_alone(layer)
                    for layer, (w, v) in zip(self.layers, self.sources))
 
     def __call__(self, x):
-        y = onednn_product(x, self.packed, self.bias)
+        # bf16 packed as fp32 (packing_dtype): fp32 sums of the bf16 values, rounded to bf16
+        y = onednn_product(x.to(self.dtype), self.packed, self.bias).to(x.dtype)
         return y.split(self.sizes, -1) if len(self.sizes) > 1 else (y,)
 
 
@@ -280,21 +304,23 @@ class packed_weights:
     with less fixed cost: over Qwen3-0.6B's 28 layers at 8 rows the products take 46 ms
     against 70 ms in F.linear's form, the output layer's 8.4 against 13.0 ms in bf16 and 16
     against 62 ms in fp32 on an AMD EPYC (bench/README.md; bench/layout.py times whole
-    decodes). Costs one copy of the weights while inside, made on entry (about half a
-    second for Qwen3-0.6B) and dropped on exit. Weights changed or swapped inside are
-    noticed (PackedWeights.matches) and run unpacked. Does nothing off the CPU, in fp32 on
-    a CPU other than AMD's, in other dtypes, or without oneDNN. rows, where given, is the
-    most rows a decode step will have: in fp32 a single row does not pack, since a
-    matrix-vector product streams the row-major weights as fast as the blocked ones (on an
-    AMD EPYC without AVX-512 the output layer's took 41 ms unpacked against 54 packed, an
-    MLP layer's 1.7 against 2.2) and packing Qwen3-0.6B took about 2 s there."""
+    decodes). Costs one copy of the weights while inside (in fp32 where bf16 packs as fp32,
+    packing_dtype), made on entry (about half a second for Qwen3-0.6B) and dropped on exit.
+    Weights changed or swapped inside are noticed (PackedWeights.matches) and run unpacked.
+    Does nothing off the CPU, in fp32 on a CPU other than AMD's, in other dtypes, or without
+    oneDNN. rows, where given, is the most rows a decode step will have: a single row does
+    not pack in fp32, since a matrix-vector product streams the row-major weights as fast
+    as the blocked ones (on an AMD EPYC without AVX-512 the output layer's took 41 ms
+    unpacked against 54 packed, an MLP layer's 1.7 against 2.2) and packing Qwen3-0.6B took
+    about 2 s there; nor do bf16 weights that would pack as fp32, whose own bf16 product
+    streams half the bytes (a (3,072, 1,024) weight 0.98 ms against 1.49 there)."""
 
     def __init__(self, model, rows=None):
         self.model, self.rows, self.previous = model, rows, []
 
     def __enter__(self):
         weight = self.model.lm_head.weight
-        if can_pack(weight) and not (self.rows == 1 and weight.dtype == torch.float32):
+        if can_pack(weight) and not (self.rows == 1 and packing_dtype(weight) == torch.float32):
             for module, named in packing_groups(self.model).items():
                 self.previous.append((module, module.packed))
                 module.packed = {name: PackedWeights(*layers) for name, layers in named.items()

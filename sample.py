@@ -183,7 +183,8 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     faster, for one copy of those weights; False runs the adapter's own products, as the
     training forward pass does. In bf16 on the CPU, and in fp32 on AMD CPUs from two rows
     (prompts times n), the (folded) weights are packed too (model.packed_weights), for
-    one more copy of them while the call runs; set model.PACK_ON_CPU = False to spare that
+    one more copy of them while the call runs (in fp32, also from two rows, where oneDNN
+    has no bf16 product: model.packing_dtype); set model.PACK_ON_CPU = False to spare that
     memory. Returns a list of Rollout, prompt-major.
     """
     device = model.lm_head.weight.device

@@ -9,7 +9,7 @@ import torch
 
 import data
 import model as M
-from conftest import DEVICES, ONEDNN_BF16_MISSING, ONEDNN_MISSING, SHARED_CONFIG, TINY_CONFIGS, save_hf_model
+from conftest import DEVICES, ONEDNN_MISSING, SHARED_CONFIG, TINY_CONFIGS, pack_bf16_as, save_hf_model
 
 
 def every_fp32_weight_to_onednn(monkeypatch):
@@ -560,22 +560,28 @@ def packable_model(name, dtype=torch.bfloat16, **overrides):
     return M.lay_out_weights(model.to(dtype))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_packed_products_compute_each_layers_own_product(dtype):
-    if not M.onednn_linear_works(dtype):
-        pytest.skip(ONEDNN_BF16_MISSING if dtype == torch.bfloat16 else ONEDNN_MISSING)
+@pytest.mark.parametrize("dtype, packed_as", [(torch.bfloat16, "bf16"), (torch.bfloat16, "fp32"),
+                                              (torch.float32, "fp32")], ids=["bf16", "bf16-as-fp32", "fp32"])
+def test_packed_products_compute_each_layers_own_product(monkeypatch, dtype, packed_as):
+    if dtype == torch.bfloat16:
+        pack_bf16_as(monkeypatch, packed_as)
+    elif not M.onednn_linear_works(dtype):
+        pytest.skip(ONEDNN_MISSING)
     g = torch.Generator().manual_seed(0)
     layers = [torch.nn.Linear(40, n, bias=True).to(dtype) for n in (48, 16, 16)]
     # fp32 weights column-major, as load() lays them out
     M.lay_out_weights(torch.nn.Sequential(*layers))
     # the output rounded once to its dtype, and fp32 sums of 40 terms in some order
-    rounding, slack = (2 ** -8, 1e-3) if dtype == torch.bfloat16 else (2 ** -24, 0.0)
+    # (as fp32: the sums in fp32, then rounded once to bf16; no slack)
+    rounding, slack = ((2 ** -8, 1e-3 if packed_as == "bf16" else 0.0) if dtype == torch.bfloat16
+                       else (2 ** -24, 0.0))
     with torch.no_grad():
         for layer in layers:
             layer.weight.copy_(torch.randn(layer.weight.shape, generator=g))
             layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
     layers[1].bias = None  # a layer without bias among layers with one
     packed = M.PackedWeights(*layers)
+    assert packed.dtype == getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[packed_as])
     for rows in (1, 8, 100):
         x = torch.randn(2, rows, 40, generator=g).to(dtype)
         outputs = packed(x)
@@ -678,9 +684,29 @@ def test_fp32_packs_only_on_amd_cpus_bf16_on_any(monkeypatch, vendor):
     monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
     large = torch.zeros(M.ONEDNN_MIN_WEIGHT)
     assert M.can_pack(large) == (vendor == "AuthenticAMD" and M.onednn_linear_works(torch.float32))
+    assert M.packing_dtype(large) == (torch.float32 if M.can_pack(large) else None)
     assert not M.can_pack(large[1:])
-    assert M.can_pack(torch.zeros(1, dtype=torch.bfloat16)) == M.onednn_linear_works(torch.bfloat16)
+    # bf16 as bf16 where oneDNN multiplies bf16, else as fp32 copies
+    bf16 = torch.zeros(1, dtype=torch.bfloat16)
+    assert M.packing_dtype(bf16) == (torch.bfloat16 if M.onednn_linear_works(torch.bfloat16) else
+                                     torch.float32 if M.onednn_linear_works(torch.float32) else None)
     assert not M.can_pack(torch.zeros(1, dtype=torch.float64))
+
+
+@pytest.mark.skipif(not M.onednn_linear_works(torch.float32), reason=ONEDNN_MISSING)
+def test_bf16_packed_as_fp32_packs_from_two_rows(monkeypatch, packed_products, tiny_model):
+    from sample import generate
+    pack_bf16_as(monkeypatch, "fp32")
+    model, tokenizer = M.load(tiny_model, dtype="bf16")
+    ids = torch.randint(1, 300, (2, 9), generator=torch.Generator().manual_seed(1)).tolist()
+    generate(model, tokenizer, ids, max_new_tokens=3, temperature=0)
+    assert len(packed_products) >= 4 * model.config.num_hidden_layers
+    # one row: bf16's own matrix-vector product reads half the bytes of the fp32 copies
+    packed_products.clear()
+    generate(model, tokenizer, ids[:1], max_new_tokens=3, temperature=0)
+    assert packed_products == []
+    generate(model, tokenizer, ids[:1], n=2, max_new_tokens=3, temperature=0)
+    assert len(packed_products) >= 4 * model.config.num_hidden_layers
 
 
 @pytest.mark.skipif(not os.path.isfile("/proc/cpuinfo"), reason="reads the CPU's vendor from Linux's /proc/cpuinfo")
@@ -722,10 +748,9 @@ def test_fp32_packed_forward_and_greedy_decode_match_the_plain_ones(monkeypatch,
     assert [r.completion_ids for r in decoded] == [r.completion_ids for r in unpacked]
 
 
-@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason=ONEDNN_BF16_MISSING)
 @pytest.mark.parametrize("name,bias", [("tied", False), ("untied", False), ("tied", True)])
 def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(monkeypatch, packed_products, name,
-                                                                                bias):
+                                                                                bias, bf16_packing):
     model = packable_model(name, attention_bias=bias)
     ids = torch.randint(1, 300, (3, 9), generator=torch.Generator().manual_seed(1))
     calls = packed_products
@@ -748,8 +773,7 @@ def test_packed_weights_forward_matches_the_plain_one_and_leaves_nothing_behind(
         assert torch.equal(model(ids).float(), plain) and calls == []
 
 
-@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason=ONEDNN_BF16_MISSING)
-def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(packed_products):
+def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(packed_products, bf16_packing):
     import lora
     model = packable_model("tied")
     ids = torch.randint(1, 300, (2, 7), generator=torch.Generator().manual_seed(2))
@@ -793,7 +817,8 @@ def test_packed_weights_step_aside_for_changed_weights_adapters_and_gradients(pa
 
 
 def test_packing_is_skipped_where_onednns_linear_is_missing_or_wrong(monkeypatch):
-    assert M.onednn_linear_works() == M.can_pack(torch.zeros(1, dtype=torch.bfloat16))
+    assert (M.onednn_linear_works(torch.bfloat16) or M.onednn_linear_works(torch.float32)) == M.can_pack(
+        torch.zeros(1, dtype=torch.bfloat16))
     model = packable_model("tied")
     ids = torch.randint(1, 300, (2, 5), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

@@ -2,7 +2,6 @@ import pytest
 import torch
 
 import model as M
-from conftest import ONEDNN_BF16_MISSING
 from sample import draw, filter_logits, first_max_index, generate
 
 PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
@@ -65,9 +64,9 @@ def test_folded_adapter_samples_what_the_adapter_samples(tiny_model):
     assert all(layer.merged is None for layer in lora.lora_layers(ours).values())
 
 
-@pytest.mark.skipif(not M.can_pack(torch.zeros(1, dtype=torch.bfloat16)), reason=ONEDNN_BF16_MISSING)
 def test_bf16_sampling_on_the_cpu_packs_the_folded_weights_and_scores_what_the_adapter_scores(tiny_model,
-                                                                                               packed_products):
+                                                                                               packed_products,
+                                                                                               bf16_packing):
     import lora
     ours, tok = M.load(tiny_model, dtype="bf16")
     lora.add_lora(ours, rank=4, alpha=8)
