@@ -98,8 +98,8 @@ def linear(x, weight, bias=None, dtype=None):
     to 0.75x at 2 to 8 rows on a Xeon without bf16 instructions, where only the single row
     gained, 1.11x), so there F.linear serves; bench/layout.py measures both on any
     machine. In fp32 the column-major weights of lay_out_weights already give the plain
-    form this speed with MKL, and on AMD CPUs the larger ones go to oneDNN, row-major
-    (fp32_by_onednn), with a gradient through OneDNNLinear. Inside packed_weights
+    form this speed with MKL, and on AMD CPUs the larger ones go to oneDNN (fp32_by_onednn),
+    mostly row-major, with a gradient through OneDNNLinear. Inside packed_weights
     (sample.generate) the decoder layers' and the output layer's products take a faster
     form still; this one serves every forward pass outside it."""
     # a weight dense in one order or the other: over a strided slice of a column-major
@@ -1146,19 +1146,27 @@ def lay_out_weights(model, column_major=None):
     on the CPU that is column-major (the storage of an (in, out) matrix): MKL multiplies a
     few rows by such a matrix far faster than by a row-major one, which is what decoding
     does (8 rows of Qwen3-0.6B decode 1.5x faster), and about as fast at training sizes.
-    Weights whose products go to oneDNN (bf16; fp32 on AMD CPUs, fp32_by_onednn) stay
+    Weights whose products go to oneDNN (bf16; fp32 on AMD CPUs, fp32_by_onednn) are
     row-major: in bf16 that order is the faster one, and in fp32 on an AMD EPYC without
     AVX-512 a prefill of 8 x 32 tokens took 2.5 s against 3.8 s column-major, packing
-    (packed_weights, which needs row-major weights) 1.7 to 2.2 s against 4.3 to 6.2 s, and
-    training sizes about the same; the output layer's vocabulary slices (HeadLogprob) are
-    then dense too. On CUDA weights stay as loaded. column_major=True or False forces one
-    order (bench/layout.py measures both on any machine). A tied output layer takes the
-    embedding with it, whose row lookups barely notice."""
+    (packed_weights) 1.7 to 2.2 s against 4.3 to 6.2 s, and training sizes about the same;
+    the output layer's vocabulary slices (HeadLogprob) are then dense too. Except, in fp32,
+    those whose input is wider than their output (o and down in Qwen3): training multiplies
+    by each weight twice, once as stored and once transposed (the input's gradient), and
+    oneDNN read a transposed operand with more rows than columns at as little as half its
+    speed there: the down projection's input gradient over 1,024 tokens of Qwen3-0.6B took
+    129 ms row-major against 57 ms column-major, its forward product 55 against 53 ms, at
+    one row 1.05 against 1.14 ms (gate and up, transposed (1,024, 3,072), ran at full
+    speed). Column-major, the transposed operand is always the one with fewer rows. On
+    CUDA weights stay as loaded. column_major=True or False forces one order
+    (bench/layout.py measures both on any machine). A tied output layer takes the embedding
+    with it, whose row lookups barely notice."""
     for module in model.modules():
         if isinstance(module, nn.Linear):
             w = module.weight
             column = column_major if column_major is not None else (
-                w.device.type == "cpu" and w.dtype == torch.float32 and not fp32_by_onednn(w))
+                w.device.type == "cpu" and w.dtype == torch.float32
+                and (not fp32_by_onednn(w) or w.shape[1] > w.shape[0]))
             if column and w.stride() != (1, w.shape[0]):
                 w.data = w.data.t().contiguous().t()
             elif not column and not w.is_contiguous():

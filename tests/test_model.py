@@ -394,7 +394,7 @@ def test_weights_are_laid_out_per_dtype_and_compute_the_same(tiny_models, name):
 
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
-def test_fp32_weights_that_go_to_onednn_stay_row_major(monkeypatch, tiny_models, vendor):
+def test_fp32_weights_that_go_to_onednn_are_row_major_unless_wider_in_than_out(monkeypatch, tiny_models, vendor):
     monkeypatch.setattr(M, "cpu_vendor", lambda: vendor)
     ours, _ = M.load(tiny_models["untied"])
     sizes = sorted({m.weight.numel() for m in ours.modules() if isinstance(m, torch.nn.Linear)})
@@ -404,8 +404,12 @@ def test_fp32_weights_that_go_to_onednn_stay_row_major(monkeypatch, tiny_models,
         if isinstance(m, torch.nn.Linear):
             by_onednn = (vendor == "AuthenticAMD" and m.weight.numel() >= sizes[1]
                          and M.onednn_linear_works(torch.float32))
-            # oneDNN's products (and packing) read row-major weights; MKL's column-major ones
-            assert m.weight.is_contiguous() if by_onednn else m.weight.stride() == (1, m.weight.shape[0]), m
+            # oneDNN's products read row-major weights, and transposed (a training step's
+            # input gradient) column-major ones whose input is wider (o, down); MKL's read
+            # column-major ones
+            row_major = by_onednn and m.in_features <= m.out_features
+            assert m.weight.is_contiguous() if row_major else m.weight.stride() == (1, m.weight.shape[0]), m
+    assert any(m.in_features > m.out_features for m in ours.modules() if isinstance(m, torch.nn.Linear))
 
 
 def bytes_kept(fn):
