@@ -102,10 +102,9 @@ def linear(x, weight, bias=None, dtype=None):
     mostly row-major, with a gradient through OneDNNLinear. Inside packed_weights
     (sample.generate) the decoder layers' and the output layer's products take a faster
     form still; this one serves every forward pass outside it."""
-    # a weight dense in one order or the other: over a strided slice of a column-major
-    # weight oneDNN took 1,000 times MKL's time
+    # over a strided slice of a column-major weight oneDNN took 1,000 times MKL's time
     if (x.dtype == torch.float32 and fp32_by_onednn(weight) and not torch.is_autocast_enabled("cpu")
-            and (weight.is_contiguous() or weight.t().is_contiguous())):
+            and dense(weight)):
         wants_gradient = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
         y = OneDNNLinear.apply(x, weight, bias) if wants_gradient else onednn_product(x, weight, bias)
         return y if dtype is None else y.to(dtype)
@@ -124,6 +123,11 @@ def linear(x, weight, bias=None, dtype=None):
         # rows a quarter of the time of a transposing copy and then a converting one
         y = y.contiguous() if dtype in (None, y.dtype) else y.to(dtype, memory_format=torch.contiguous_format)
     return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def dense(weight):
+    """Whether a 2-d weight is dense in one order or the other: row-major or column-major."""
+    return weight.is_contiguous() or weight.t().is_contiguous()
 
 
 def onednn_product(x, weight, bias=None):
@@ -249,8 +253,7 @@ class PackedWeights:
             weight = weight.to(self.dtype)
             # oneDNN reorders a column-major weight itself, in two thirds of the time that a
             # transposing copy and then its reorder take
-            dense = weight.is_contiguous() or weight.t().is_contiguous()
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight if dense else weight.contiguous())
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight if dense(weight) else weight.contiguous())
             biases = [layer.bias for layer in layers]
             self.bias = None if all(b is None for b in biases) else torch.cat(
                 [b if b is not None else weight.new_zeros(n) for b, n in zip(biases, self.sizes)]).to(self.dtype)
@@ -319,8 +322,8 @@ class packed_weights:
         self.model, self.rows, self.previous = model, rows, []
 
     def __enter__(self):
-        weight = self.model.lm_head.weight
-        if can_pack(weight) and not (self.rows == 1 and packing_dtype(weight) == torch.float32):
+        packed_as = packing_dtype(self.model.lm_head.weight)
+        if packed_as is not None and not (self.rows == 1 and packed_as == torch.float32):
             for module, named in packing_groups(self.model).items():
                 self.previous.append((module, module.packed))
                 module.packed = {name: PackedWeights(*layers) for name, layers in named.items()

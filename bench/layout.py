@@ -2,13 +2,14 @@
 What model.lay_out_weights buys on this machine: our own model with every linear weight
 row-major, as checkpoints store it (out, in), against the very same values column-major
 (the order load() picks on the CPU in fp32 where MKL multiplies; on AMD CPUs the weights
-that go to oneDNN stay row-major), the two taking turns in one run. Greedy decode at 1
-and 8 rows (as bench/sample.py) and 64 rows (RL's 8 x 8 group sampling), and one LoRA
-forward and backward at 4 x 256 tokens (as bench/train_step.py, without the optimizer).
-Prints seconds (each order's fastest round) and the ratio row-major / column-major (above
-1: column-major is faster), the median over rounds of the ratio of two runs made back to
-back, with its range. Which order is faster is a property of the CPU's
-matrix kernels, so on other hardware run this before trusting the choice load() makes.
+that go to oneDNN are row-major unless wider in than out), the two taking turns in one
+run. Greedy decode at 1 and 8 rows (as bench/sample.py) and 64 rows (RL's 8 x 8 group
+sampling), and one LoRA forward and backward at 4 x 256 tokens (as bench/train_step.py,
+without the optimizer). Prints seconds (each order's fastest round) and the ratio
+row-major / column-major (above 1: column-major is faster), the median over rounds of the
+ratio of two runs made back to back, with its range. Which order is faster is a property
+of the CPU's matrix kernels, so on other hardware run this before trusting the choice
+load() makes.
 
 In bf16 a second table: greedy decode on the row-major model (bf16's order) with every
 product as F.linear computes it, against model.linear's forms for a few rows (the weight

@@ -112,17 +112,20 @@ def onednn_products(monkeypatch):
     return shapes
 
 
+PACKED_AS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
 def pack_bf16_as(monkeypatch, kind):
     """bf16 weights packed as this CPU's oneDNN packs them ("bf16"), or as fp32 copies
     ("fp32"), as on a CPU whose oneDNN has no bf16 linear (model.packing_dtype); skips
     where this machine cannot run the kind asked for."""
     import model
     works = model.onednn_linear_works
-    if not works(torch.bfloat16 if kind == "bf16" else torch.float32):
+    if not works(PACKED_AS[kind]):
         pytest.skip(ONEDNN_BF16_MISSING if kind == "bf16" else ONEDNN_MISSING)
     if kind == "fp32":
         monkeypatch.setattr(model, "onednn_linear_works", lambda dtype=torch.bfloat16: dtype != torch.bfloat16 and works(dtype))
-    assert model.packing_dtype(torch.zeros(1, dtype=torch.bfloat16)) == getattr(torch, "bfloat16" if kind == "bf16" else "float32")
+    assert model.packing_dtype(torch.zeros(1, dtype=torch.bfloat16)) == PACKED_AS[kind]
 
 
 @pytest.fixture(params=["bf16", "fp32"], ids=["packed-bf16", "packed-fp32"])

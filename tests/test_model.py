@@ -9,7 +9,7 @@ import torch
 
 import data
 import model as M
-from conftest import DEVICES, ONEDNN_MISSING, SHARED_CONFIG, TINY_CONFIGS, pack_bf16_as, save_hf_model
+from conftest import DEVICES, ONEDNN_MISSING, PACKED_AS, SHARED_CONFIG, TINY_CONFIGS, pack_bf16_as, save_hf_model
 
 
 def every_fp32_weight_to_onednn(monkeypatch):
@@ -585,7 +585,7 @@ def test_packed_products_compute_each_layers_own_product(monkeypatch, dtype, pac
             layer.bias.copy_(torch.randn(layer.bias.shape, generator=g))
     layers[1].bias = None  # a layer without bias among layers with one
     packed = M.PackedWeights(*layers)
-    assert packed.dtype == getattr(torch, {"bf16": "bfloat16", "fp32": "float32"}[packed_as])
+    assert packed.dtype == PACKED_AS[packed_as]
     for rows in (1, 8, 100):
         x = torch.randn(2, rows, 40, generator=g).to(dtype)
         outputs = packed(x)
