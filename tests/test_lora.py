@@ -150,14 +150,26 @@ def test_adapter_for_other_base_is_a_one_line_error(tiny_models, tmp_path):
         lora.load_adapter(ours, str(tmp_path / "nothing"))
 
 
-# with dropout on the CPU only: on CUDA torch's dropout draws in a kernel of its own, so peft's
-# masks and ours differ there
+class ReplayedDropout(torch.nn.Module):
+    """peft's dropout of one layer's LoRA input, taking the next of the masks ours drew:
+    both models call their layers in the same order (q, k, v, o, gate, up, down)."""
+
+    def __init__(self, masks, p):
+        super().__init__()
+        self.masks, self.p = masks, p
+
+    def forward(self, x):
+        kept = self.masks.pop(0)
+        assert kept.shape == x.shape
+        return x * (kept * torch.ones((), dtype=x.dtype).div_(1 - self.p))
+
+
 @pytest.mark.parametrize("device,dtype,dropout", [("cpu", "fp32", 0.0), ("cpu", "bf16", 0.0), ("cpu", "fp32", 0.2)] + [
     (device, dtype, 0.0) for device in DEVICES if device != "cpu" for dtype in ("fp32", "bf16")])
-def test_lora_gradients_equal_pefts(tiny_model, tmp_path, device, dtype, dropout):
+def test_lora_gradients_equal_pefts(tiny_model, tmp_path, monkeypatch, device, dtype, dropout):
     # the whole training pass against transformers + peft: our norms', MLP's, attention's
     # and output layer's backward passes, with the same adapter and transformers' own loss;
-    # with dropout, both draw each layer's mask from the same generator in the same order.
+    # with dropout, peft's layers drop out what ours dropped out (ReplayedDropout).
     # On CUDA both run under the scripts' autocast (M.autocast)
     from peft import PeftModel
     from transformers import Qwen3ForCausalLM
@@ -172,12 +184,19 @@ def test_lora_gradients_equal_pefts(tiny_model, tmp_path, device, dtype, dropout
              "Question: A box holds 6 eggs. How many eggs are in 4 boxes?\nAnswer: 24"]
     length = min(len(tok.encode(t)) for t in texts)
     ids = torch.tensor([tok.encode(t)[:length] for t in texts], device=device)  # one length: no padding on either side
-    torch.manual_seed(5)
+    masks = []
+    if dropout:
+        drawn = lora.keep_mask
+        monkeypatch.setattr(lora, "keep_mask", lambda x, p: masks.append(drawn(x, p)) or masks[-1])
+        for module in ref.modules():
+            if hasattr(module, "lora_dropout"):
+                module.lora_dropout["default"] = ReplayedDropout(masks, dropout)
     with M.autocast(ids.device):
         (-M.sequence_logprobs(ours, ids.tolist(), [1, 1])[0].mean()).backward()
-    torch.manual_seed(5)
+    assert len(masks) == (7 * ours.config.num_hidden_layers if dropout else 0)
     with M.autocast(ids.device):
         ref(input_ids=ids, labels=ids).loss.backward()
+    assert not masks  # peft took every one
     theirs = {n: p.grad.cpu() for n, p in ref.named_parameters() if p.requires_grad}
     got = {f"base_model.model.{n}.weight": p.grad.cpu() for n, p in ours.named_parameters() if p.requires_grad}
     assert got.keys() == theirs.keys() and len(got) == 2 * 7 * ours.config.num_hidden_layers
@@ -194,8 +213,11 @@ def test_lora_dropout_keeps_a_one_byte_mask_and_computes_what_autograd_does(dtyp
     # autocast: products in bf16 over fp32 inputs, as training on CUDA runs them
     x0, A0 = torch.randn(2, 32, 64, dtype=dtype), torch.randn(8, 64, dtype=dtype)
     results, kept = [], []
-    for down in (lambda x, A: torch.nn.functional.linear(torch.nn.functional.dropout(x, 0.1, True), A),
-                 lambda x, A: lora.DroppedDown.apply(x, A, 0.1)):
+
+    def by_autograd(x, A):  # dropout as F.dropout forms it, over the same mask
+        noise = lora.keep_mask(x, 0.1) * torch.ones((), dtype=x.dtype).div_(1 - 0.1)
+        return torch.nn.functional.linear(x * noise, A)
+    for down in (by_autograd, lambda x, A: lora.DroppedDown.apply(x, A, 0.1)):
         x, A = x0.clone().requires_grad_(), A0.clone().requires_grad_()
         saved = {}  # storage -> bytes of what the backward pass keeps, x itself aside
 
@@ -210,7 +232,29 @@ def test_lora_dropout_keeps_a_one_byte_mask_and_computes_what_autograd_does(dtyp
         results.append((out, x.grad, A.grad))
         kept.append(sum(saved.values()) - A.numel() * A.element_size())
     assert all(torch.equal(a, b) for a, b in zip(*results))  # the same draws, values and gradients, to the bit
+    assert (results[0][1] == 0).any()  # some inputs were dropped
     assert kept[1] == x0.numel() < kept[0]  # one byte an element, where autograd keeps x's dropped copy and the noise
+
+
+@pytest.mark.parametrize("p", [0.05, 0.5, 0.9])
+def test_keep_mask_keeps_each_element_with_probability_one_minus_p_independently(p):
+    x = torch.empty(1001, 1001)  # an odd count: the last 64-bit draw is half used
+    torch.manual_seed(0)
+    kept = lora.keep_mask(x, p)
+    assert kept.shape == x.shape and kept.dtype == torch.bool
+    n = x.numel()
+    sigma = (p * (1 - p) / n) ** 0.5
+    assert abs(kept.double().mean().item() - (1 - p)) < 5 * sigma
+    flat = kept.flatten().double()
+    # each element's two halves of a 64-bit draw, and neighbours, are as likely as any
+    for part in (flat[0::2], flat[1::2], flat[0::3]):
+        assert abs(part.mean().item() - (1 - p)) < 5 * sigma * (n / len(part)) ** 0.5
+    both = (flat[:-1] * flat[1:]).mean().item()  # P(two neighbours kept) = (1 - p)^2
+    assert abs(both - (1 - p) ** 2) < 5 * (1 - p) * sigma * 3
+    torch.manual_seed(0)
+    assert torch.equal(lora.keep_mask(x, p), kept)  # drawn from the default generator: a seed repeats it
+    assert not torch.equal(lora.keep_mask(x, p), kept)
+    assert lora.keep_mask(x, 0.0).all()
 
 
 def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_path):
