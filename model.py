@@ -358,14 +358,10 @@ def rms_norm(x, weight, eps):
 
 class RMSNormFunction(torch.autograd.Function):
     """RMSNorm's forward pass by the very operations of rms_norm, and its backward
-    pass in closed form: with n = x r the normalised input, r = 1 / rms(x), d the width
-    and g the gradient reaching n, d x = r (g - n mean(g n)) = r g - x r^3 sum(g x) / d.
-    Autograd would keep the fp32 copy of a bf16 input, twice the input's bytes (10 MB per
-    Qwen3-0.6B layer at 4 x 256 tokens); this keeps the input as it came and 1 / rms, and
-    makes the copy again when needed. The second form never makes n: five passes over
-    the input's size where the first takes seven. On the CPU at 4 x 256 tokens of
-    Qwen3-0.6B that made a norm's forward and backward 1.3x to 1.5x as fast, too little of
-    a whole layer's to show above the noise there (1.003x over 80 paired rounds)."""
+    pass in closed form: with n = x r the normalised input, r = 1 / rms(x) and g the
+    gradient reaching n, d x = r (g - n mean(g n)). Autograd would keep the fp32 copy of
+    a bf16 input, twice the input's bytes (10 MB per Qwen3-0.6B layer at 4 x 256 tokens);
+    this keeps the input as it came and 1 / rms, and makes the copy again when needed."""
 
     @staticmethod
     def forward(ctx, x, weight, eps):
@@ -376,13 +372,13 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight, inverse_rms = ctx.saved_tensors
-        h = x.float()
+        normalised = x.float() * inverse_rms
         d_weight = None
         if ctx.needs_input_grad[1]:  # as autograd forms it: through the normalised input in x's dtype
-            d_weight = (grad * (h * inverse_rms).to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+            d_weight = (grad * normalised.to(x.dtype)).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
         g = (grad * weight).float()
-        coefficient = (g * h).sum(-1, keepdim=True).mul_(inverse_rms.pow(3)).div_(-x.shape[-1])
-        return g.mul_(inverse_rms).addcmul_(h, coefficient).to(x.dtype), d_weight, None
+        d_x = inverse_rms * (g - normalised * (g * normalised).mean(-1, keepdim=True))
+        return d_x.to(x.dtype), d_weight, None
 
 
 def rotary_cos_sin(positions, head_dim, theta, dtype):
