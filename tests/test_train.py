@@ -92,7 +92,9 @@ def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path):
     assert log[-1]["loss"] < 0.2 * log[0]["loss"]
 
 
-def test_rl_raises_the_probability_of_the_rewarded_token(tiny_model, data_dir, tmp_path):
+def rewarded_token_run(tiny_model, data_dir, out, *extra):
+    """rl.py rewarding one plausible but not dominant first token; that token's probability
+    (averaged over prompts) under the base model and under the trained adapter, and the log."""
     m, tok = M.load(tiny_model)
     prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("train", data_dir)[:4]]
 
@@ -102,16 +104,49 @@ def test_rl_raises_the_probability_of_the_rewarded_token(tiny_model, data_dir, t
             return model(ids, attention_mask=mask)[:, -1].softmax(-1).mean(0)
 
     base_probs = first_token_probs(m)
-    target = int(base_probs.argsort(descending=True)[5])  # a plausible but not dominant token
+    target = int(base_probs.argsort(descending=True)[5])
     reward = lambda rollout, row: float(target in rollout.completion_ids[:1])
-    out = tmp_path / "rl"
     rl.main(common(tiny_model, data_dir, out, "--prompts-per-step", 4, "--group-size", 16, "--max-new-tokens", 1,
-                   "--lr", 3e-2, "--rank", 4, "--alpha", 8, "--steps", 12, "--seed", 1),
+                   "--lr", 3e-2, "--rank", 4, "--alpha", 8, "--steps", 12, "--seed", 1, *extra),
             reward_fn=reward)
     lora.load_adapter(m, str(out))
+    return base_probs[target].item(), first_token_probs(m)[target].item(), read_log(out)
+
+
+def test_rl_raises_the_probability_of_the_rewarded_token(tiny_model, data_dir, tmp_path):
+    before, after, log = rewarded_token_run(tiny_model, data_dir, tmp_path / "rl")
     # prompts are drawn from the whole train set, so this also checks it generalises over prompts
-    assert first_token_probs(m)[target] > 2 * base_probs[target], (base_probs[target], first_token_probs(m)[target])
-    assert read_log(out)[0]["reward"] < read_log(out)[-1]["reward"]
+    assert after > 2 * before, (before, after)
+    assert log[0]["reward"] < log[-1]["reward"]
+
+
+def test_rl_kl_penalty_holds_the_policy_near_the_base_model(tiny_model, data_dir, tmp_path):
+    before, free, _ = rewarded_token_run(tiny_model, data_dir, tmp_path / "free")
+    same, held, log = rewarded_token_run(tiny_model, data_dir, tmp_path / "held", "--kl-coef", 3)
+    assert same == before
+    # the reference is the base model (the adapter switched off), which the policy equals
+    # before its first update (LoRA's B starts at zero); later the policy has moved from it
+    assert abs(log[0]["kl"]) < 1e-6 and log[-1]["kl"] > 1e-3, [r["kl"] for r in log]
+    assert before < held and held - before < 0.5 * (free - before), (before, held, free)
+
+
+def test_rl_k3_estimates_the_policys_kl_from_the_reference():
+    """rl.policy_loss's KL term at tokens sampled from the policy averages to KL(policy || reference),
+    and its gradient pulls each sampled token's log-prob towards the reference's."""
+    g = torch.Generator().manual_seed(0)
+    policy, reference = torch.randn(50, generator=g).log_softmax(0), torch.randn(50, generator=g).log_softmax(0)
+    tokens = torch.multinomial(policy.exp(), 200_000, replacement=True, generator=g)
+    logp = policy[tokens].clone().requires_grad_(True)
+    zeros = torch.zeros_like(logp)
+    loss, metrics = rl.policy_loss(logp, logp.detach(), zeros, 0.2, reference[tokens], kl_coef=1.0)
+    exact = (policy.exp() * (policy - reference)).sum().item()  # KL(policy || reference)
+    assert abs(metrics["kl"] - exact) < 0.02 * exact, (metrics["kl"], exact)
+    assert loss.item() == pytest.approx(metrics["kl"], rel=1e-6)  # zero advantages: the KL term alone
+    loss.backward()
+    # d/dlogp of exp(ref - logp) - (ref - logp) - 1, over the token mean
+    expected = (1 - (reference[tokens] - logp.detach()).exp()) / len(tokens)
+    assert torch.allclose(logp.grad, expected, rtol=1e-5, atol=1e-12)
+    assert rl.policy_loss(logp, logp.detach(), zeros, 0.2, logp.detach(), kl_coef=1.0)[1]["kl"] == 0.0
 
 
 def test_opd_student_learns_the_teachers_fixed_answer(tiny_model, data_dir, tmp_path):
