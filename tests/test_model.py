@@ -61,9 +61,12 @@ def test_kv_cache_and_left_padding(tiny_models, name):
     with torch.no_grad():
         full = ours(torch.tensor([a]))
         cache = ours.new_cache(1, len(a))
-        steps = [ours(torch.tensor([a[:5]]), cache=cache)]
-        steps += [ours(torch.tensor([[t]]), cache=cache) for t in a[5:]]
+        # a chunk of several tokens after cached ones attends causally among its own tokens
+        steps = [ours(torch.tensor([a[:5]]), cache=cache), ours(torch.tensor([a[5:8]]), cache=cache)]
+        steps += [ours(torch.tensor([[t]]), cache=cache) for t in a[8:]]
         assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-4
+        with pytest.raises(ValueError, match="KV cache full"):
+            ours(torch.tensor([a[:1]]), cache=cache)
         ids, mask = M.left_pad([a, b], tok.pad_id)
         batch = ours(ids, attention_mask=mask)
         alone_b = ours(torch.tensor([b]))
