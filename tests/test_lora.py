@@ -150,6 +150,43 @@ def test_adapter_for_other_base_is_a_one_line_error(tiny_models, tmp_path):
         lora.load_adapter(ours, str(tmp_path / "nothing"))
 
 
+def test_adapters_that_are_not_plain_lora_of_this_base_are_one_line_errors(tiny_model, tmp_path):
+    """Each damaged or foreign adapter is refused by name, never loaded half or at the wrong
+    scale (rsLoRA scales by alpha / sqrt(r), not alpha / r)."""
+    import json
+    from safetensors.torch import load_file, save_file
+    ours, _ = M.load(tiny_model)
+    lora.add_lora(ours, rank=4, alpha=8)
+    lora.save_adapter(ours, str(tmp_path / "good"))
+    tensors = load_file(str(tmp_path / "good" / "adapter_model.safetensors"))
+    config = json.loads((tmp_path / "good" / "adapter_config.json").read_text())
+    some_key = next(k for k in tensors if "layers.0.self_attn.q_proj.lora_A" in k)
+
+    def damaged(name, state=tensors, **changes):
+        folder = tmp_path / name
+        folder.mkdir()
+        save_file(state, str(folder / "adapter_model.safetensors"))
+        (folder / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+        return str(folder)
+
+    cases = [
+        (damaged("bias", {**tensors, some_key.replace("lora_A.weight", "bias"): torch.zeros(4)}), "unexpected tensor"),
+        (damaged("extra_layer", {**tensors, some_key.replace("layers.0.", "layers.99."): tensors[some_key].clone()}),
+         "names a layer the base model does not have"),
+        (damaged("missing", {k: v for k, v in tensors.items() if k != some_key}), "some LoRA tensors are missing"),
+        (damaged("rslora", use_rslora=True), "only plain LoRA"),
+        (damaged("dora", use_dora=True), "only plain LoRA"),
+        (damaged("ia3", peft_type="IA3"), "only plain LoRA"),
+    ]
+    for folder, message in cases:
+        fresh, _ = M.load(tiny_model)
+        with pytest.raises(M.InputError, match=message) as e:
+            lora.load_adapter(fresh, folder)
+        assert "\n" not in str(e.value), folder
+    fresh, _ = M.load(tiny_model)
+    lora.load_adapter(fresh, str(tmp_path / "good"))  # the undamaged files load
+
+
 class ReplayedDropout(torch.nn.Module):
     """peft's dropout of one layer's LoRA input, taking the next of the masks ours drew:
     both models call their layers in the same order (q, k, v, o, gate, up, down)."""
