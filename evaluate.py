@@ -460,8 +460,19 @@ def results_markdown(runs):
 # -----------------------------------------------------------------------------
 # command line
 
+def task_list(text):
+    """An argparse type: comma-separated names from TASKS, checked before anything runs
+    (rather than after hours of the tasks named before a misspelt one)."""
+    unknown = [t for t in text.split(",") if t not in TASKS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown task {unknown[0]!r} in {text!r}; name tasks from {','.join(TASKS)}, "
+                                         f"separated by commas")
+    return text
+
+
 def add_eval_args(p):
-    p.add_argument("--tasks", default="gsm8k,mmlu,truthfulqa", help="comma-separated subset of gsm8k,mmlu,truthfulqa")
+    p.add_argument("--tasks", type=task_list, default="gsm8k,mmlu,truthfulqa",
+                   help="comma-separated subset of gsm8k,mmlu,truthfulqa")
     p.add_argument("--gsm8k-limit", type=M.number(int, 0), default=500, help="first N GSM8K test questions (0 = all 1,319)")
     p.add_argument("--gsm8k-shots", type=M.number(int, 0), default=5, help="few-shot examples from the train split")
     p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="GSM8K generation budget")

@@ -254,6 +254,14 @@ def test_more_mmlu_shots_than_the_dev_split_holds_is_an_input_error(data_dir):
         E.eval_mmlu(None, None, args)  # raised before any model is needed
 
 
+@pytest.mark.parametrize("tasks,unknown", [("gsm8k,mmlux", "mmlux"), ("gsm8k,", ""), ("MMLU", "MMLU")])
+def test_an_unknown_task_is_named_before_anything_runs(tmp_path, capsys, tasks, unknown):
+    with pytest.raises(SystemExit):
+        E.main(["base", "--model", str(tmp_path / "no-model"), "--tasks", tasks])  # no model is looked for
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument --tasks: unknown task {unknown!r} in {tasks!r}; name tasks from gsm8k,mmlu,truthfulqa" in err
+
+
 def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     """A run's snapshots (or a study of one's own) have no paper values to stand beside."""
     run = lambda mmd2, forgetting: {"eval": {"gsm8k": {"flexible": 0.5}, "retention": {"forgetting": forgetting}},
