@@ -11,11 +11,15 @@ Files are PEFT's format (adapter_config.json + adapter_model.safetensors with ke
 base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), so
 peft.PeftModel.from_pretrained opens our adapters and load_adapter opens theirs.
 """
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
+import sys
+import threading
 
 import torch
 import torch.nn as nn
@@ -512,10 +516,12 @@ class RunFolder:
     """out/<run>/: run.json, log.jsonl, the latest adapter (PEFT format), checkpoint/
     (adapter + optimizer state + step) and, with --snapshot-every, snapshots/. Every file
     is written atomically and checkpoint/ and each snapshot are replaced as a whole, so an
-    interrupted run always has one complete checkpoint."""
+    interrupted run always has one complete checkpoint; one stopped by a signal inside
+    stop_between_steps also has its last step's."""
 
     def __init__(self, folder, args, resume):
         self.folder = folder
+        self.stop_requested = None  # the name of the signal that asked the run to stop
         self.save_every, self.snapshot_every = args.save_every, args.snapshot_every
         self.ckpt = os.path.join(folder, "checkpoint")
         self.log_path = os.path.join(folder, "log.jsonl")
@@ -570,13 +576,43 @@ class RunFolder:
         shutil.rmtree(old, ignore_errors=True)
         save_adapter(model, self.folder, name)
 
+    @contextlib.contextmanager
+    def stop_between_steps(self):
+        """Around a training loop: Ctrl-C (SIGINT) or SIGTERM, what a cluster's scheduler sends
+        before it takes the machine back, lets the current step finish, and end_step then
+        writes its checkpoint and ends the run, so nothing trained is lost (a step cut in two
+        would leave the weights half updated, so none is). A second Ctrl-C stops at once, as
+        usual, back at the last checkpoint. Python's own handlers return on the way out."""
+        if threading.current_thread() is not threading.main_thread():  # only there can a handler be set
+            yield
+            return
+
+        def request_stop(signum, frame):
+            if self.stop_requested and signum == signal.SIGINT:
+                raise KeyboardInterrupt
+            self.stop_requested = signal.Signals(signum).name
+            print(f"\n{self.stop_requested}: {self.folder} stops after this step with a checkpoint of it; "
+                  f"Ctrl-C again to stop now, back at the last checkpoint", file=sys.stderr, flush=True)
+
+        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
     def end_step(self, model, optimizer, step, end):
         """After step `step` of a run ending at `end`: a snapshot every --snapshot-every steps,
-        a checkpoint every --save-every steps and at the end."""
+        a checkpoint every --save-every steps, at the end, and where a stop was asked for
+        (stop_between_steps), which then ends the run."""
         if self.snapshot_every and step % self.snapshot_every == 0:
             self.snapshot(model, step)
-        if step % self.save_every == 0 or step == end:
+        stopping = self.stop_requested is not None and step < end
+        if step % self.save_every == 0 or step == end or stopping:
             self.save(model, optimizer, step)
+        if stopping:
+            raise SystemExit(f"stopped by {self.stop_requested} after step {step} of {end}, its checkpoint written to "
+                             f"{self.ckpt}; continue with --resume (reproduce.py resumes by itself)")
 
     def snapshot(self, model, step, name="default"):
         """The adapter after `step` steps in snapshots/step-<step>, with run.json and the log

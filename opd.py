@@ -119,73 +119,74 @@ def main(argv=None):
             return M.sequence_states(teacher, sequences, starts, tok.pad_id)[0]
 
     bar = tqdm(range(start, end), initial=start, total=end, desc=f"opd-{args.signal}")
-    for step in bar:
-        t0 = time.time()
-        torch.manual_seed(args.seed * 1_000_003 + step)
-        batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
+    with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
+        for step in bar:
+            t0 = time.time()
+            torch.manual_seed(args.seed * 1_000_003 + step)
+            batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
 
-        # the state source: the student samples its own trajectories (or the teacher does, or
-        # the dataset supplies them)
-        model.eval()
-        if args.state_source == "data":
-            gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
-            answers = [a[:args.max_new_tokens] for _, a in gold]
-            sequences = [p + a for (p, _), a in zip(gold, answers)]
-            starts = [len(p) for p, _ in gold]
-            texts = [tok.decode(a) for a in answers]
-        else:
-            sampler, adapter = (model, "default") if args.state_source == "student" else (teacher, teacher_adapter)
-            with lora.use_adapter(sampler, adapter):  # in eval mode: the model above, a separate teacher always
-                rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
-                                    max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                    stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
-            sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
-            starts = [len(r.prompt_ids) for r in rollouts]
-            texts = [r.text for r in rollouts]
-        teacher_h = teacher_states(sequences, starts)  # once a step: the logged KL and, for --signal logits, the loss
-        with torch.no_grad(), M.autocast(device):  # teacher-student KL on the states, logged for both signals
-            student_h, targets, _ = M.sequence_states(model, sequences, starts, tok.pad_id)
-            state_kl = model.token_kl(student_h, teacher_h, args.kl).mean().item()
-            # on the student's own rollouts this is the sampler's log-prob of its tokens; on the
-            # teacher's or the dataset's it says how far from the learner those states lie
-            state_nll = -model.token_logprobs(student_h, targets).mean().item()
+            # the state source: the student samples its own trajectories (or the teacher does, or
+            # the dataset supplies them)
+            model.eval()
+            if args.state_source == "data":
+                gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
+                answers = [a[:args.max_new_tokens] for _, a in gold]
+                sequences = [p + a for (p, _), a in zip(gold, answers)]
+                starts = [len(p) for p, _ in gold]
+                texts = [tok.decode(a) for a in answers]
+            else:
+                sampler, adapter = (model, "default") if args.state_source == "student" else (teacher, teacher_adapter)
+                with lora.use_adapter(sampler, adapter):  # in eval mode: the model above, a separate teacher always
+                    rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
+                                        max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                        stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
+                sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
+                starts = [len(r.prompt_ids) for r in rollouts]
+                texts = [r.text for r in rollouts]
+            teacher_h = teacher_states(sequences, starts)  # once a step: the logged KL and, for --signal logits, the loss
+            with torch.no_grad(), M.autocast(device):  # teacher-student KL on the states, logged for both signals
+                student_h, targets, _ = M.sequence_states(model, sequences, starts, tok.pad_id)
+                state_kl = model.token_kl(student_h, teacher_h, args.kl).mean().item()
+                # on the student's own rollouts this is the sampler's log-prob of its tokens; on the
+                # teacher's or the dataset's it says how far from the learner those states lie
+                state_nll = -model.token_logprobs(student_h, targets).mean().item()
 
-        model.train()
-        if args.signal == "continuation":
-            rng = random.Random(args.seed * 1_000_003 + step)
-            prefixes = [seq[:start + t] for seq, start in zip(sequences, starts)
-                        for t in sorted(rng.sample(range(len(seq) - start), min(args.cuts, len(seq) - start)))]
-            with lora.use_adapter(teacher, teacher_adapter):  # the signal: teacher continues each state's prefix
-                teacher.eval()
-                conts = generate(teacher, tok, prefixes, max_new_tokens=args.continuation_tokens, temperature=0)
             model.train()
-            seqs, seq_starts = [p + c.completion_ids for p, c in zip(prefixes, conts)], [len(p) for p in prefixes]
-        else:
-            seqs, seq_starts = sequences, starts
-        offsets = [0, *itertools.accumulate(len(s) - st for s, st in zip(seqs, seq_starts))]  # token range of each sequence
-        n_tokens = offsets[-1]
-        loss_sum = 0.0
-        for first, end_seq in lora.micro_batches([len(s) for s in seqs], args.grad_accum, args.micro_batch_tokens):
-            part, part_starts = seqs[first:end_seq], seq_starts[first:end_seq]
-            with M.autocast(device):
-                if args.signal == "continuation":
-                    loss, metrics = continuation_loss(M.sequence_logprobs(model, part, part_starts, tok.pad_id)[0])
-                else:
-                    student_h = M.sequence_states(model, part, part_starts, tok.pad_id)[0]
-                    lo, hi = offsets[first], offsets[end_seq]
-                    loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_h[lo:hi], args.kl))
-            weight = metrics["tokens"] / n_tokens  # micro-batches add up to the token mean of the whole step
-            (loss * weight).backward()
-            loss_sum += loss.item() * weight
-        run.check_finite(step + 1, loss_sum)
-        lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
+            if args.signal == "continuation":
+                rng = random.Random(args.seed * 1_000_003 + step)
+                prefixes = [seq[:start + t] for seq, start in zip(sequences, starts)
+                            for t in sorted(rng.sample(range(len(seq) - start), min(args.cuts, len(seq) - start)))]
+                with lora.use_adapter(teacher, teacher_adapter):  # the signal: teacher continues each state's prefix
+                    teacher.eval()
+                    conts = generate(teacher, tok, prefixes, max_new_tokens=args.continuation_tokens, temperature=0)
+                model.train()
+                seqs, seq_starts = [p + c.completion_ids for p, c in zip(prefixes, conts)], [len(p) for p in prefixes]
+            else:
+                seqs, seq_starts = sequences, starts
+            offsets = [0, *itertools.accumulate(len(s) - st for s, st in zip(seqs, seq_starts))]  # token range of each sequence
+            n_tokens = offsets[-1]
+            loss_sum = 0.0
+            for first, end_seq in lora.micro_batches([len(s) for s in seqs], args.grad_accum, args.micro_batch_tokens):
+                part, part_starts = seqs[first:end_seq], seq_starts[first:end_seq]
+                with M.autocast(device):
+                    if args.signal == "continuation":
+                        loss, metrics = continuation_loss(M.sequence_logprobs(model, part, part_starts, tok.pad_id)[0])
+                    else:
+                        student_h = M.sequence_states(model, part, part_starts, tok.pad_id)[0]
+                        lo, hi = offsets[first], offsets[end_seq]
+                        loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_h[lo:hi], args.kl))
+                weight = metrics["tokens"] / n_tokens  # micro-batches add up to the token mean of the whole step
+                (loss * weight).backward()
+                loss_sum += loss.item() * weight
+            run.check_finite(step + 1, loss_sum)
+            lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
 
-        rewards = [float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch)]
-        run.log(dict(step=step + 1, loss=loss_sum, state_kl=state_kl, state_nll=state_nll, reward=statistics.mean(rewards),
-                     completion_len=statistics.mean(len(q) - st for q, st in zip(sequences, starts)), lr=lr,
-                     grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0))
-        bar.set_postfix(loss=f"{loss_sum:.4f}", kl=f"{state_kl:.4f}")
-        run.end_step(model, optimizer, step + 1, end)
+            rewards = [float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch)]
+            run.log(dict(step=step + 1, loss=loss_sum, state_kl=state_kl, state_nll=state_nll, reward=statistics.mean(rewards),
+                         completion_len=statistics.mean(len(q) - st for q, st in zip(sequences, starts)), lr=lr,
+                         grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0))
+            bar.set_postfix(loss=f"{loss_sum:.4f}", kl=f"{state_kl:.4f}")
+            run.end_step(model, optimizer, step + 1, end)
     run.finish(end)
     print(f"done: adapter in {args.out}")
 

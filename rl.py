@@ -91,57 +91,58 @@ def main(argv=None, reward_fn=exact_answer_reward):
     start = run.resume(model, optimizer) if args.resume else 0
     end = min(args.steps, args.max_steps) if args.max_steps else args.steps
     bar = tqdm(range(start, end), initial=start, total=end, desc="rl")
-    for step in bar:
-        t0 = time.time()
-        torch.manual_seed(args.seed * 1_000_003 + step)
-        batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
+    with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
+        for step in bar:
+            t0 = time.time()
+            torch.manual_seed(args.seed * 1_000_003 + step)
+            batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
 
-        # the state source: the current policy samples its own trajectories
-        model.eval()
-        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], n=args.group_size,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
-        rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
-        adv_per_seq = group_advantages(rewards, args.group_size).to(device)
-        sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
-        starts = [len(r.prompt_ids) for r in rollouts]
-        old_logp = torch.tensor([lp for r in rollouts for lp in r.logprobs], device=device)
-        ref_logp = None
-        if args.kl_coef > 0:
-            with torch.no_grad(), lora.use_adapter(model, None), M.autocast(device):
-                ref_logp, _ = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
+            # the state source: the current policy samples its own trajectories
+            model.eval()
+            rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], n=args.group_size,
+                                max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
+            rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
+            adv_per_seq = group_advantages(rewards, args.group_size).to(device)
+            sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
+            starts = [len(r.prompt_ids) for r in rollouts]
+            old_logp = torch.tensor([lp for r in rollouts for lp in r.logprobs], device=device)
+            ref_logp = None
+            if args.kl_coef > 0:
+                with torch.no_grad(), lora.use_adapter(model, None), M.autocast(device):
+                    ref_logp, _ = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
 
-        model.train()
-        # where each sequence's completion tokens start in the flat token tensors
-        offsets = [0, *itertools.accumulate(len(r.completion_ids) for r in rollouts)]
-        micro_batches = lora.micro_batches([len(s) for s in sequences], args.grad_accum, args.micro_batch_tokens)
-        for _ in range(args.ppo_epochs):
-            loss_sum, metrics = 0.0, {}
-            for first, end_seq in micro_batches:
-                lo, hi = offsets[first], offsets[end_seq]
-                with M.autocast(device):
-                    logp, seq_of_token = M.sequence_logprobs(model, sequences[first:end_seq], starts[first:end_seq],
-                                                             tok.pad_id)
-                # no PPO ratio needed on the first epoch, we are on policy: exp(logp - old_logp) == 1 up to float noise
-                loss, part_metrics = policy_loss(logp, old_logp[lo:hi], adv_per_seq[first:end_seq][seq_of_token], args.clip,
-                                                 None if ref_logp is None else ref_logp[lo:hi], args.kl_coef)
-                weight = (hi - lo) / old_logp.numel()  # micro-batches add up to the token mean of the whole batch
-                (loss * weight).backward()
-                loss_sum += loss.item() * weight
-                for k, v in part_metrics.items():
-                    metrics[k] = metrics.get(k, 0.0) + v * weight
-            run.check_finite(step + 1, loss_sum)
-            lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
+            model.train()
+            # where each sequence's completion tokens start in the flat token tensors
+            offsets = [0, *itertools.accumulate(len(r.completion_ids) for r in rollouts)]
+            micro_batches = lora.micro_batches([len(s) for s in sequences], args.grad_accum, args.micro_batch_tokens)
+            for _ in range(args.ppo_epochs):
+                loss_sum, metrics = 0.0, {}
+                for first, end_seq in micro_batches:
+                    lo, hi = offsets[first], offsets[end_seq]
+                    with M.autocast(device):
+                        logp, seq_of_token = M.sequence_logprobs(model, sequences[first:end_seq], starts[first:end_seq],
+                                                                 tok.pad_id)
+                    # no PPO ratio needed on the first epoch, we are on policy: exp(logp - old_logp) == 1 up to float noise
+                    loss, part_metrics = policy_loss(logp, old_logp[lo:hi], adv_per_seq[first:end_seq][seq_of_token], args.clip,
+                                                     None if ref_logp is None else ref_logp[lo:hi], args.kl_coef)
+                    weight = (hi - lo) / old_logp.numel()  # micro-batches add up to the token mean of the whole batch
+                    (loss * weight).backward()
+                    loss_sum += loss.item() * weight
+                    for k, v in part_metrics.items():
+                        metrics[k] = metrics.get(k, 0.0) + v * weight
+                run.check_finite(step + 1, loss_sum)
+                lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
 
-        groups = torch.tensor(rewards).view(-1, args.group_size)
-        record = dict(step=step + 1, loss=loss_sum, reward=sum(rewards) / len(rewards),
-                      no_signal_frac=(groups.std(1, unbiased=False) == 0).float().mean().item(),
-                      completion_len=statistics.mean(len(r.completion_ids) for r in rollouts),
-                      state_nll=-old_logp.mean().item(), lr=lr, grad_norm=grad_norm, tokens=old_logp.numel(),
-                      seconds=time.time() - t0, **metrics)
-        run.log(record)
-        bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")
-        run.end_step(model, optimizer, step + 1, end)
+            groups = torch.tensor(rewards).view(-1, args.group_size)
+            record = dict(step=step + 1, loss=loss_sum, reward=sum(rewards) / len(rewards),
+                          no_signal_frac=(groups.std(1, unbiased=False) == 0).float().mean().item(),
+                          completion_len=statistics.mean(len(r.completion_ids) for r in rollouts),
+                          state_nll=-old_logp.mean().item(), lr=lr, grad_norm=grad_norm, tokens=old_logp.numel(),
+                          seconds=time.time() - t0, **metrics)
+            run.log(record)
+            bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")
+            run.end_step(model, optimizer, step + 1, end)
     run.finish(end)
     print(f"done: adapter in {args.out}")
 

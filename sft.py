@@ -87,30 +87,31 @@ def main(argv=None):
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     start = run.resume(model, optimizer) if args.resume else 0
     bar = tqdm(range(start, end), initial=start, total=end, desc="sft")
-    for step in bar:
-        t0 = time.time()
-        torch.manual_seed(args.seed * 1_000_003 + step)  # dropout; per step, so a resumed run matches
-        batch = [examples[i] for i in data.batch_indices(len(examples), step, args.batch_size, args.seed)]
-        n_tokens = sum(len(s) - p for s, p in batch)
+    with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
+        for step in bar:
+            t0 = time.time()
+            torch.manual_seed(args.seed * 1_000_003 + step)  # dropout; per step, so a resumed run matches
+            batch = [examples[i] for i in data.batch_indices(len(examples), step, args.batch_size, args.seed)]
+            n_tokens = sum(len(s) - p for s, p in batch)
 
-        model.train()
-        loss_sum = 0.0
-        for lo, hi in lora.micro_batches([len(s) for s, _ in batch], args.grad_accum, args.micro_batch_tokens):
-            part = batch[lo:hi]
-            with M.autocast(device):
-                logp, _ = M.sequence_logprobs(model, [s for s, _ in part], [p for _, p in part], tok.pad_id)
-            loss, _ = sft_loss(logp)
-            (loss * logp.numel() / n_tokens).backward()  # token-weighted over the whole step
-            loss_sum += loss.item() * logp.numel()
-        loss = loss_sum / n_tokens
-        run.check_finite(step + 1, loss)
-        lr, grad_norm = lora.optimizer_step(optimizer, step, total, args)
+            model.train()
+            loss_sum = 0.0
+            for lo, hi in lora.micro_batches([len(s) for s, _ in batch], args.grad_accum, args.micro_batch_tokens):
+                part = batch[lo:hi]
+                with M.autocast(device):
+                    logp, _ = M.sequence_logprobs(model, [s for s, _ in part], [p for _, p in part], tok.pad_id)
+                loss, _ = sft_loss(logp)
+                (loss * logp.numel() / n_tokens).backward()  # token-weighted over the whole step
+                loss_sum += loss.item() * logp.numel()
+            loss = loss_sum / n_tokens
+            run.check_finite(step + 1, loss)
+            lr, grad_norm = lora.optimizer_step(optimizer, step, total, args)
 
-        # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
-        run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr, grad_norm=grad_norm,
-                     tokens=n_tokens, seconds=time.time() - t0))
-        bar.set_postfix(loss=f"{loss:.4f}")
-        run.end_step(model, optimizer, step + 1, end)
+            # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
+            run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr, grad_norm=grad_norm,
+                         tokens=n_tokens, seconds=time.time() - t0))
+            bar.set_postfix(loss=f"{loss:.4f}")
+            run.end_step(model, optimizer, step + 1, end)
     run.finish(end)
     print(f"done: adapter in {args.out}")
 

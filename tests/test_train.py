@@ -331,6 +331,43 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("script,signal_name", [("sft", "SIGINT"), ("rl", "SIGTERM"), ("opd", "SIGINT")])
+def test_a_stop_signal_ends_the_run_after_its_step_with_a_checkpoint(tiny_model, data_dir, tmp_path, script,
+                                                                     signal_name, monkeypatch, capsys):
+    import signal
+    main, extra = MAINS[script], short_run(script, tiny_model)
+    main(common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 4))
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    batch_indices = data.batch_indices
+
+    def signal_during(steps, times=1):
+        def batch_indices_then_signal(n, step, *args):
+            if step in steps:  # amid the step: as a user's Ctrl-C or a scheduler's SIGTERM comes
+                for _ in range(times):
+                    os.kill(os.getpid(), getattr(signal, signal_name))
+            return batch_indices(n, step, *args)
+        monkeypatch.setattr(data, "batch_indices", batch_indices_then_signal)
+
+    signal_during({1})  # the second step; no checkpoint is due before the fourth
+    args = common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4, "--save-every", 4)
+    with pytest.raises(SystemExit, match=f"stopped by {signal_name} after step 2 of 4, its checkpoint written to"):
+        main(args)
+    assert torch.load(tmp_path / "cut" / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 2
+    assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2] and not lora.run_finished(tmp_path / "cut")
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # Python's own handlers are back
+    if signal_name == "SIGINT":  # a second Ctrl-C stops at once, back at the last checkpoint
+        signal_during({2}, times=2)
+        with pytest.raises(KeyboardInterrupt):
+            main([*args, "--resume"])
+        assert torch.load(tmp_path / "cut" / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 2
+        assert {s: signal.getsignal(s) for s in handlers} == handlers
+    monkeypatch.setattr(data, "batch_indices", batch_indices)
+    main([*args, "--resume"])
+    a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6  # the stop lost nothing
+    assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4] and lora.run_finished(tmp_path / "cut")
+
+
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
 def test_snapshots_hold_each_steps_adapter_as_a_run_folder(tiny_model, data_dir, tmp_path, script):
     main, extra = MAINS[script], short_run(script, tiny_model)
