@@ -581,14 +581,14 @@ class RunFolder:
         """Around a training loop: Ctrl-C (SIGINT) or SIGTERM, what a cluster's scheduler sends
         before it takes the machine back, lets the current step finish, and end_step then
         writes its checkpoint and ends the run, so nothing trained is lost (a step cut in two
-        would leave the weights half updated, so none is). A second Ctrl-C stops at once, as
-        usual, back at the last checkpoint. Python's own handlers return on the way out."""
+        would leave the weights half updated, so none is). A second Ctrl-C (or SIGTERM) stops
+        at once, as usual, back at the last checkpoint. Python's own handlers return on the way out."""
         if threading.current_thread() is not threading.main_thread():  # only there can a handler be set
             yield
             return
 
         def request_stop(signum, frame):
-            if self.stop_requested and signum == signal.SIGINT:
+            if self.stop_requested:  # the second signal, of either kind
                 raise KeyboardInterrupt
             self.stop_requested = signal.Signals(signum).name
             print(f"\n{self.stop_requested}: {self.folder} stops after this step with a checkpoint of it; "
