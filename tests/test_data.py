@@ -194,3 +194,24 @@ def test_fetch_404_and_corruption_leave_nothing(server, tmp_path):
     with pytest.raises(data.DataError, match=r"data.tar: not a tar archive"):
         data.fetch_all(str(dest), {"mmlu": sources["mmlu"]})
     assert listing(dest) == []
+
+
+def test_without_a_data_folder_the_cache_is_filled_once_and_then_used(server, tmp_path, monkeypatch):
+    root, base = server
+    sources = write_sources(root, base)
+    monkeypatch.delenv("STATES_DATA", raising=False)
+    monkeypatch.setattr(data, "CACHE", str(tmp_path / "cache"))
+    assert data.resolve_data_dir(None, sources=sources) == str(tmp_path / "cache")
+    fetched = listing(tmp_path / "cache")
+    assert fetched == ["gsm8k/test.jsonl", "gsm8k/train.jsonl", "mmlu/dev/toy_subject_dev.csv",
+                       "mmlu/test/toy_subject_test.csv", "truthfulqa/mc_task.json"]
+    for name in os.listdir(root):  # the server has nothing left: a second fetch would fail
+        os.remove(root / name)
+    assert data.resolve_data_dir(None, sources=sources) == str(tmp_path / "cache")
+    assert listing(tmp_path / "cache") == fetched
+    # a folder given, by flag or by $STATES_DATA, is used as it is and never written to
+    given = tmp_path / "mine"
+    given.mkdir()
+    monkeypatch.setenv("STATES_DATA", str(given))
+    assert data.resolve_data_dir(None, sources=sources) == str(given) and listing(given) == []
+    assert data.resolve_data_dir(str(tmp_path / "cache"), sources=sources) == str(tmp_path / "cache")
