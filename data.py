@@ -151,8 +151,16 @@ def load_gsm8k_file(path):
     return rows
 
 
+def dataset_file(data_dir, *parts):
+    """The path of one dataset file under the data folder, which must be there."""
+    path = os.path.join(resolve_data_dir(data_dir), *parts)
+    if not os.path.isfile(path):
+        raise DataError(f"{path} is missing; {HOW_TO_FIX}")
+    return path
+
+
 def load_gsm8k(split, data_dir=None):
-    return load_gsm8k_file(os.path.join(resolve_data_dir(data_dir), "gsm8k", f"{split}.jsonl"))
+    return load_gsm8k_file(dataset_file(data_dir, "gsm8k", f"{split}.jsonl"))
 
 
 def load_mmlu_file(path, subject):
@@ -179,6 +187,8 @@ def load_mmlu(split, data_dir=None):
         if name.endswith(f"_{split}.csv"):
             subject = name[:-len(f"_{split}.csv")]
             out[subject] = load_mmlu_file(os.path.join(folder, name), subject)
+    if not out:
+        raise DataError(f"{folder} holds no <subject>_{split}.csv files; {HOW_TO_FIX}")
     return out
 
 
@@ -192,13 +202,14 @@ def load_truthfulqa_file(path):
         raise DataError(f"{path}: expected a JSON list of questions")
     for i, row in enumerate(rows):
         ok = isinstance(row, dict) and all(k in row for k in ("question", "mc1_targets", "mc2_targets"))
+        ok = ok and all(isinstance(row[k], dict) and row[k] for k in ("mc1_targets", "mc2_targets"))
         if not ok or sum(row["mc1_targets"].values()) != 1:
             raise DataError(f"{path} item {i}: expected question, mc1_targets (one true) and mc2_targets")
     return rows
 
 
 def load_truthfulqa(data_dir=None):
-    return load_truthfulqa_file(os.path.join(resolve_data_dir(data_dir), "truthfulqa", "mc_task.json"))
+    return load_truthfulqa_file(dataset_file(data_dir, "truthfulqa", "mc_task.json"))
 
 
 def mmlu_subset(test_by_subject, limit, seed=1234):

@@ -115,6 +115,32 @@ def test_malformed_rows_name_file_and_line(tmp_path):
         data.resolve_data_dir(str(tmp_path / "nope"))
 
 
+def test_each_kind_of_broken_dataset_file_is_named_with_its_fix(tmp_path):
+    def fails(load, match):
+        with pytest.raises(data.DataError, match=match) as e:
+            load()
+        assert "\n" not in str(e.value)
+
+    folder = str(tmp_path)
+    fails(lambda: data.load_gsm8k("train", folder), r"gsm8k/train.jsonl is missing; download the files by hand")
+    fails(lambda: data.load_truthfulqa(folder), r"truthfulqa/mc_task.json is missing; download the files by hand")
+    fails(lambda: data.load_mmlu("test", folder), r"mmlu/test is missing; download the files by hand")
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "gsm8k" / "train.jsonl").write_text('{"question": "a", "answer": "it is 3"}\n')
+    fails(lambda: data.load_gsm8k("train", folder), r"train.jsonl line 1: the answer does not end in '#### <number>'")
+    (tmp_path / "mmlu" / "test").mkdir(parents=True)
+    fails(lambda: data.load_mmlu("test", folder), r"mmlu/test holds no <subject>_test.csv files")
+    (tmp_path / "mmlu" / "test" / "x_test.csv").write_text("q,a,b,c,d,0\n")  # the original files' header-less rows
+    fails(lambda: data.load_mmlu("test", folder), r"x_test.csv line 1: expected header question,choice0")
+    (tmp_path / "truthfulqa").mkdir()
+    for content, match in [('{"question": "q"}', "expected a JSON list of questions"),
+                           ('[{"question": "q", "mc1_targets": {"a": 1, "b": 1}, "mc2_targets": {"a": 1}}]', "item 0"),
+                           ('[{"question": "q", "mc1_targets": ["a"], "mc2_targets": {"a": 1}}]', "item 0"),
+                           ('[{"question": "q"', "line 1: not valid JSON")]:
+        (tmp_path / "truthfulqa" / "mc_task.json").write_text(content)
+        fails(lambda: data.load_truthfulqa(folder), match)
+
+
 # -----------------------------------------------------------------------------
 # the fetcher against a local server
 
