@@ -331,3 +331,66 @@ def test_micro_batches_split_in_order_under_the_token_bound():
     # sharing rows fits more sequences a pass than one row each would: 3 x 9 = 27
     assert lora.micro_batches([9, 3, 3, 3, 9], 1, 27) == [(0, 5)]
     assert lora.micro_batches([], 2, 10) == []
+
+
+def test_a_run_killed_anywhere_in_a_checkpoint_write_resumes_from_a_whole_checkpoint(tiny_model, tmp_path):
+    """A checkpoint write killed after any of its file operations (os._exit in a forked
+    child: no cleanup runs, as under SIGKILL or a power cut) leaves the previous checkpoint
+    or the new one, each whole: a resume loads one of them exactly."""
+    import argparse
+    import os
+    import shutil
+    import safetensors.torch
+    args = argparse.Namespace(save_every=2, snapshot_every=0, seed=0)
+
+    def fresh_model():
+        model, _ = M.load(tiny_model)
+        lora.add_lora(model, rank=4, alpha=8)
+        return model, torch.optim.AdamW(lora.lora_parameters(model), lr=0.1)
+
+    def train_step(seed):
+        torch.manual_seed(seed)
+        for p in lora.lora_parameters(model):
+            p.grad = torch.randn_like(p)
+        optimizer.step()
+        return {k: v.clone() for k, v in lora.adapter_state(model, "default").items()}
+
+    saved = {}
+    operations = [(os, "replace"), (shutil, "rmtree"), (torch, "save"), (safetensors.torch, "save_file")]
+    for kill_after in range(1, 100):
+        folder = str(tmp_path / f"kill-{kill_after}")
+        model, optimizer = fresh_model()
+        run = lora.RunFolder(folder, args, resume=False)
+        saved[2] = train_step(2)
+        run.save(model, optimizer, 2)
+        saved[4] = train_step(4)
+        child = os.fork()
+        if child == 0:  # count the file operations of the second write; die after the chosen one
+            exit_code = 2  # an error: never return into the test run from the child
+            try:
+                done = [0]
+                for module, name in operations:
+                    def counted(*a, _original=getattr(module, name), **k):
+                        result = _original(*a, **k)
+                        done[0] += 1
+                        if done[0] == kill_after:
+                            os._exit(3)
+                        return result
+                    setattr(module, name, counted)
+                run.save(model, optimizer, 4)
+                exit_code = 0
+            finally:
+                os._exit(exit_code)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) in (0, 3), kill_after
+        fresh, fresh_optimizer = fresh_model()
+        step = lora.RunFolder(folder, args, resume=True).resume(fresh, fresh_optimizer)
+        assert step in (2, 4), (kill_after, step)
+        loaded = lora.adapter_state(fresh, "default")
+        assert all(torch.equal(loaded[k], saved[step][k]) for k in loaded), kill_after
+        assert fresh_optimizer.state_dict()["state"][0]["step"] == step // 2
+        if os.waitstatus_to_exitcode(status) == 0:  # the write finished before the chosen operation
+            assert step == 4 and kill_after > 5  # it did kill the earlier writes
+            break
+    else:
+        pytest.fail("the checkpoint write never finished")
