@@ -174,6 +174,21 @@ def test_transformers5_config_style(workdir):
         M.Qwen3Config.from_dict(raw)
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn' is not supported"),
+    ({"rope_parameters": {"rope_theta": 1e6, "rope_type": "linear"}}, "rope type 'linear' is not supported"),
+    ({"use_sliding_window": True}, "use_sliding_window=true is not supported; set it to false"),
+    ({"model_type": "qwen3_moe"}, "model_type is 'qwen3_moe'; this file implements 'qwen3' only"),
+])
+def test_configs_of_other_models_are_refused_by_name(change, message):
+    with open(os.path.join(SHARED_CONFIG, "config.json")) as f:
+        raw = json.load(f)
+    with pytest.raises(M.InputError, match=message):
+        M.Qwen3Config.from_dict({**raw, **change})
+    # the official config passes, and of several stop ids the first is end-of-text
+    assert M.Qwen3Config.from_dict({**raw, "eos_token_id": [7, 9]}).eos_token_id == 7
+
+
 def copy_model(src, dst):
     shutil.copytree(src, dst)
     return str(dst)
