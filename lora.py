@@ -578,11 +578,12 @@ class RunFolder:
 
     @contextlib.contextmanager
     def stop_between_steps(self):
-        """Around a training loop: Ctrl-C (SIGINT) or SIGTERM, what a cluster's scheduler sends
-        before it takes the machine back, lets the current step finish, and end_step then
-        writes its checkpoint and ends the run, so nothing trained is lost (a step cut in two
-        would leave the weights half updated, so none is). A second Ctrl-C (or SIGTERM) stops
-        at once, as usual, back at the last checkpoint. Python's own handlers return on the way out."""
+        """Around a training loop: Ctrl-C (SIGINT) or SIGTERM, what a cluster's scheduler
+        sends before it takes the machine back, lets the current step finish, and end_step
+        then writes its checkpoint and ends the run, so nothing trained is lost (a step cut
+        in two would leave the weights half updated, so none is). A second Ctrl-C (or
+        SIGTERM) stops at once, as usual, back at the last checkpoint. The handlers that
+        were there before come back on the way out."""
         if threading.current_thread() is not threading.main_thread():  # only there can a handler be set
             yield
             return
@@ -599,7 +600,8 @@ class RunFolder:
             yield
         finally:
             for s, handler in previous.items():
-                signal.signal(s, handler)
+                if handler is not None:  # None: set outside Python, and Python cannot set it back
+                    signal.signal(s, handler)
 
     def end_step(self, model, optimizer, step, end):
         """After step `step` of a run ending at `end`: a snapshot every --snapshot-every steps,
