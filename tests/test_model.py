@@ -221,6 +221,35 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a local folder nor a hub id"):
         M.load(str(tmp_path / "does" / "not" / "exist"))
 
+    extra = copy_model(tiny_model, tmp_path / "extra")
+    path = os.path.join(extra, "model.safetensors")
+    save_file({**load_file(path), "model.layers.0.mlp.experts.0.weight": torch.zeros(2, 2)}, path)
+    with pytest.raises(M.InputError, match=r"unexpected tensor model.layers.0.mlp.experts.0.weight \(1 in all\); "
+                                           r"is this a Qwen3 checkpoint\?"):
+        M.load(extra)
+
+    no_weights = copy_model(tiny_model, tmp_path / "no_weights")
+    os.remove(os.path.join(no_weights, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="no model.safetensors or model.safetensors.index.json; the weights"):
+        M.load(no_weights)
+
+    no_tokenizer = copy_model(tiny_model, tmp_path / "no_tokenizer")
+    os.remove(os.path.join(no_tokenizer, "tokenizer.json"))
+    with pytest.raises(FileNotFoundError, match="no tokenizer.json; the model folder needs the tokenizer file too"):
+        M.load(no_tokenizer)
+
+    no_eos = copy_model(tiny_model, tmp_path / "no_eos")
+    for name in ("config.json", "generation_config.json"):
+        path = os.path.join(no_eos, name)
+        if os.path.isfile(path):
+            with open(path) as f:
+                config = json.load(f)
+            config.pop("eos_token_id", None)
+            with open(path, "w") as f:
+                json.dump(config, f)
+    with pytest.raises(M.InputError, match="no eos_token_id in generation_config.json or config.json; add it"):
+        M.load(no_eos)
+
     ours, _ = M.load(tiny_model)
     hidden = torch.randn(3, ours.config.hidden_size)
     for bad in (-100, ours.config.vocab_size):  # an ignore label; one past the vocabulary
