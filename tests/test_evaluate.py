@@ -262,6 +262,14 @@ def test_an_unknown_task_is_named_before_anything_runs(tmp_path, capsys, tasks, 
     assert f"argument --tasks: unknown task {unknown!r} in {tasks!r}; name tasks from gsm8k,mmlu,truthfulqa" in err
 
 
+def test_a_table_without_evaluations_or_a_call_without_runs_says_what_to_do(tmp_path, capsys):
+    with pytest.raises(M.InputError, match=f"no eval.json under {tmp_path}; run `python evaluate.py base ...` first"):
+        E.main(["--table", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        E.main(["--model", str(tmp_path / "no-model")])
+    assert "name 'base' and/or run folders to evaluate, or use --table ROOT" in capsys.readouterr().err
+
+
 def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     """A run's snapshots (or a study of one's own) have no paper values to stand beside."""
     run = lambda mmd2, forgetting: {"eval": {"gsm8k": {"flexible": 0.5}, "retention": {"forgetting": forgetting}},

@@ -322,6 +322,13 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 2, "--save-every", 2))
     with pytest.raises(M.InputError, match="already holds a trained run"):
         main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4))
+    with pytest.raises(M.InputError, match="has no checkpoint to resume from; drop --resume to start the run"):
+        main(common(tiny_model, data_dir, tmp_path / "never", *extra, "--resume"))
+    stale = tmp_path / "stale"  # what a run that died before its first checkpoint leaves: a log, no checkpoint
+    stale.mkdir()
+    (stale / "log.jsonl").write_text('{"step": 1, "loss": 99.0}\n')
+    main(common(tiny_model, data_dir, stale, *extra, "--max-steps", 1))
+    assert [r["loss"] for r in read_log(stale)] == [r["loss"] for r in read_log(tmp_path / "full")[:1]]
     capsys.readouterr()
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4, "--save-every", 2, "--resume"))
     assert f"note: resuming {tmp_path / 'cut'} with changed settings: --max-steps 2 -> 4\n" in capsys.readouterr().out
