@@ -184,16 +184,30 @@ def autocast_bf16(choice):
     return M.cpu_has_bf16() if choice is None else bool(choice)
 
 
+PRETRAIN_SAVE_EVERY = 100  # steps between pretraining checkpoints: under a minute of work lost to a crash
+
+
 def pretrain(out, args):
-    """World + tokenizer + a small Qwen3 trained from scratch; returns the model folder."""
+    """World + tokenizer + a small Qwen3 trained from scratch; returns the model folder.
+    Every PRETRAIN_SAVE_EVERY steps the model, the optimizer and the batch sampler's state
+    go to base-model/pretrain-checkpoint.pt, from which a second call with the same
+    arguments carries on to the same weights as an uninterrupted pretraining."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
     if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         return data_dir, model_dir
+    checkpoint_path = os.path.join(model_dir, "pretrain-checkpoint.pt")
+    checkpoint = torch.load(checkpoint_path, weights_only=True) if os.path.isfile(checkpoint_path) else None
+    if checkpoint is not None and checkpoint["args"] != vars(args):
+        print(f"note: {checkpoint_path} is from other settings; pretraining starts again")
+        checkpoint = None
     corpus, problems = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems)
     rng = random.Random(args.world_seed)
     docs = corpus * args.retention_repeats + problems
     os.makedirs(model_dir, exist_ok=True)
-    tok_path = M.train_tokenizer(docs + problems, os.path.join(model_dir, "tokenizer.json"), vocab_size=args.vocab)
+    tok_path = os.path.join(model_dir, "tokenizer.json")
+    if checkpoint is None or not os.path.isfile(tok_path):  # the checkpoint's embeddings are this tokenizer's
+        checkpoint = None
+        M.train_tokenizer(docs + problems, tok_path, vocab_size=args.vocab)
     config = M.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
                            head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -212,8 +226,15 @@ def pretrain(out, args):
           f"{'bf16 autocast' if bf16 else 'fp32'} ({'--bf16' if args.bf16 is not None else 'default for this CPU'})")
     opt = torch.optim.AdamW(net.parameters(), lr=args.pretrain_lr, weight_decay=0.1, betas=(0.9, 0.95))
     g = torch.Generator().manual_seed(args.world_seed)
+    start = 0
+    if checkpoint is not None:
+        net.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+        g.set_state(checkpoint["sampler"])
+        start = checkpoint["step"]
+        print(f"resuming pretraining at step {start} from {checkpoint_path}")
     net.train()
-    bar = tqdm(range(args.pretrain_steps), desc="pretrain")
+    bar = tqdm(range(start, args.pretrain_steps), initial=start, total=args.pretrain_steps, desc="pretrain")
     for step in bar:
         starts = torch.randint(0, n_blocks, (args.batch,), generator=g) * args.context
         x = torch.stack([stream[s:s + args.context + 1] for s in starts])
@@ -228,7 +249,13 @@ def pretrain(out, args):
         opt.step()
         opt.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.3f}")
+        if (step + 1) % PRETRAIN_SAVE_EVERY == 0 and step + 1 < args.pretrain_steps:
+            state = dict(model=net.state_dict(), optimizer=opt.state_dict(), sampler=g.get_state(), step=step + 1,
+                         args=vars(args))
+            lora.write_atomic(checkpoint_path, lambda path: torch.save(state, path))
     M.save(net.eval(), model_dir, tok_path)
+    if os.path.isfile(checkpoint_path):
+        os.remove(checkpoint_path)
     return data_dir, model_dir
 
 
