@@ -607,11 +607,17 @@ class RunFolder:
         """After step `step` of a run ending at `end`: a snapshot every --snapshot-every steps,
         a checkpoint every --save-every steps, at the end, and where a stop was asked for
         (stop_between_steps), which then ends the run."""
-        if self.snapshot_every and step % self.snapshot_every == 0:
-            self.snapshot(model, step)
         stopping = self.stop_requested is not None and step < end
-        if step % self.save_every == 0 or step == end or stopping:
-            self.save(model, optimizer, step)
+        try:
+            if self.snapshot_every and step % self.snapshot_every == 0:
+                self.snapshot(model, step)
+            if step % self.save_every == 0 or step == end or stopping:
+                self.save(model, optimizer, step)
+        except OSError as e:  # a full disk, above all: each write is whole or absent, so say which is left and stop
+            left = ("the last checkpoint written is intact: make room, then continue with --resume"
+                    if os.path.isdir(self.ckpt) or os.path.isdir(self.ckpt + ".old") else
+                    "no checkpoint was written before it: make room, then start the run again")
+            raise InputError(f"could not write step {step}'s adapter to {self.folder} ({e.strerror or e}); {left}") from None
         if stopping:
             raise SystemExit(f"stopped by {self.stop_requested} after step {step} of {end}, its checkpoint written to "
                              f"{self.ckpt}; continue with --resume (reproduce.py resumes by itself)")

@@ -426,6 +426,35 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir,
         assert ("has not finished" in capsys.readouterr().out) == unfinished
 
 
+def test_a_full_disk_stops_the_run_in_one_line_and_loses_no_checkpoint(tiny_model, data_dir, tmp_path, monkeypatch):
+    extra = ["--train-limit", 12, "--batch-size", 4, "--epochs", 2, "--save-every", 1]
+    sft.main(common(tiny_model, data_dir, tmp_path / "whole", *extra, "--max-steps", 3))
+    save = torch.save
+
+    def disk_fills_at_step_2(state, path, *a, **k):
+        if state["step"] == 2:
+            raise OSError(28, "No space left on device")
+        return save(state, path, *a, **k)
+
+    monkeypatch.setattr(torch, "save", disk_fills_at_step_2)
+    args = common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 3)
+    with pytest.raises(M.InputError, match=r"could not write step 2's adapter to .*full \(No space left on device\); "
+                                           r"the last checkpoint written is intact: make room, then continue with --resume"):
+        sft.main(args)
+    assert torch.load(tmp_path / "full" / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 1
+    monkeypatch.setattr(torch, "save", save)
+    sft.main([*args, "--resume"])
+    a, b = adapter_tensors(tmp_path / "whole"), adapter_tensors(tmp_path / "full")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(M.InputError, match="no checkpoint was written before it: make room, then start the run again"):
+        sft.main(common(tiny_model, data_dir, tmp_path / "at-once", *extra, "--max-steps", 3))
+
+
 def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkeypatch):
     def run(teacher, model):
         # the script's own entry point, in this process (a subprocess per case cost seconds
