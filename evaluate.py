@@ -292,8 +292,8 @@ def collect_runs(root):
                 runs[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
             log = os.path.join(folder, "log.jsonl")
             if os.path.isfile(log):
-                with open(log) as f:
-                    nll = [json.loads(line).get("state_nll") for line in f]
+                with open(log) as f:  # (a line cut short by a killed run left out)
+                    nll = [json.loads(line).get("state_nll") for line in f if lora.logged_step(line) is not None]
                 nll = [x for x in nll if x is not None]
                 runs[name]["state_nll"] = sum(nll) / len(nll) if nll else None
     rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)

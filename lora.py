@@ -508,6 +508,15 @@ def read_run_json(folder):
         return json.load(f)
 
 
+def logged_step(line):
+    """The step of one log.jsonl line, or None for a line cut short (a run killed while
+    writing it, which can only be its last line, a step after its last checkpoint)."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
 def run_finished(folder):
     return "finished_steps" in (read_run_json(folder) or {})
 
@@ -554,7 +563,7 @@ class RunFolder:
         step = state["step"]
         if os.path.isfile(self.log_path):  # forget log lines of steps after the checkpoint
             with open(self.log_path) as f:
-                lines = [l for l in f if json.loads(l)["step"] <= step]
+                lines = [l for l in f if logged_step(l) is not None and logged_step(l) <= step]
             write_atomic(self.log_path, lambda p: open(p, "w").write("".join(lines)))
         for name in os.listdir(self.snapshots) if os.path.isdir(self.snapshots) else []:
             # and its snapshots of later steps, whole or half-written

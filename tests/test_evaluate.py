@@ -270,6 +270,15 @@ def test_a_table_without_evaluations_or_a_call_without_runs_says_what_to_do(tmp_
     assert "name 'base' and/or run folders to evaluate, or use --table ROOT" in capsys.readouterr().err
 
 
+def test_a_log_line_cut_short_by_a_killed_run_is_left_out_of_the_state_nll(tmp_path):
+    (tmp_path / "eval.json").write_text("{}")
+    run = tmp_path / "stress"
+    run.mkdir()
+    (run / "eval.json").write_text("{}")
+    (run / "log.jsonl").write_text('{"step": 1, "state_nll": 2.0}\n{"step": 2, "state_nll": 4.0}\n{"step": 3, "sta')
+    assert E.collect_runs(str(tmp_path))["stress"]["state_nll"] == 3.0
+
+
 def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     """A run's snapshots (or a study of one's own) have no paper values to stand beside."""
     run = lambda mmd2, forgetting: {"eval": {"gsm8k": {"flexible": 0.5}, "retention": {"forgetting": forgetting}},

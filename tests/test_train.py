@@ -330,6 +330,8 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     main(common(tiny_model, data_dir, stale, *extra, "--max-steps", 1))
     assert [r["loss"] for r in read_log(stale)] == [r["loss"] for r in read_log(tmp_path / "full")[:1]]
     capsys.readouterr()
+    with open(tmp_path / "cut" / "log.jsonl", "a") as f:  # a run killed while it wrote step 3's line
+        f.write('{"step": 3, "loss": 0.')
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4, "--save-every", 2, "--resume"))
     assert f"note: resuming {tmp_path / 'cut'} with changed settings: --max-steps 2 -> 4\n" in capsys.readouterr().out
     a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
