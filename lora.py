@@ -644,8 +644,12 @@ class RunFolder:
         os.replace(tmp, folder)
 
     def finish(self, step):
-        """Mark the run complete in run.json; reproduce.py skips finished runs."""
+        """Mark the run complete in run.json; reproduce.py skips finished runs. A stop asked
+        for during the last step (stop_between_steps) ends the program here, once the run
+        is complete, rather than being forgotten with the loop."""
         write_json(os.path.join(self.folder, "run.json"), {**read_run_json(self.folder), "finished_steps": step})
+        if self.stop_requested is not None:
+            raise SystemExit(f"stopped by {self.stop_requested} at the run's last step; {self.folder} is complete")
 
     def log(self, record):
         with open(self.log_path, "a") as f:

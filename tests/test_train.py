@@ -370,11 +370,14 @@ def test_a_stop_signal_ends_the_run_after_its_step_with_a_checkpoint(tiny_model,
         main([*args, "--resume"])
     assert torch.load(tmp_path / "cut" / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 2
     assert {s: signal.getsignal(s) for s in handlers} == handlers
-    monkeypatch.setattr(data, "batch_indices", batch_indices)
-    main([*args, "--resume"])
+    # during the last step: the run completes, and the stop is not forgotten (reproduce.py would go on)
+    signal_during({3})
+    with pytest.raises(SystemExit, match=f"stopped by {signal_name} at the run's last step; .*cut is complete"):
+        main([*args, "--resume"])
     a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6  # the stop lost nothing
     assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4] and lora.run_finished(tmp_path / "cut")
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
 
 
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
