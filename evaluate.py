@@ -292,9 +292,7 @@ def collect_runs(root):
                 runs[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
             log = os.path.join(folder, "log.jsonl")
             if os.path.isfile(log):
-                with open(log) as f:  # (a line cut short by a killed run left out)
-                    nll = [json.loads(line).get("state_nll") for line in f if lora.logged_step(line) is not None]
-                nll = [x for x in nll if x is not None]
+                nll = [r["state_nll"] for r in lora.read_log(log) if r.get("state_nll") is not None]
                 runs[name]["state_nll"] = sum(nll) / len(nll) if nll else None
     rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)
     ordered = sorted(runs, key=lambda n: (rank(n), n))

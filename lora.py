@@ -508,13 +508,18 @@ def read_run_json(folder):
         return json.load(f)
 
 
-def logged_step(line):
-    """The step of one log.jsonl line, or None for a line cut short (a run killed while
-    writing it, which can only be its last line, a step after its last checkpoint)."""
-    try:
-        return json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return None
+def read_log(path):
+    """The records of a run's log.jsonl, one a step, leaving out a line cut short (a run
+    killed while writing it, which can only be its last line, a step after its last
+    checkpoint)."""
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
 
 
 def run_finished(folder):
@@ -534,7 +539,7 @@ class RunFolder:
         self.save_every, self.snapshot_every = args.save_every, args.snapshot_every
         self.ckpt = os.path.join(folder, "checkpoint")
         self.log_path = os.path.join(folder, "log.jsonl")
-        has_checkpoint = os.path.isdir(self.ckpt) or os.path.isdir(self.ckpt + ".old")
+        has_checkpoint = self.last_checkpoint() is not None
         if not resume and has_checkpoint:
             raise InputError(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
         if resume and not has_checkpoint:
@@ -552,9 +557,14 @@ class RunFolder:
             print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
         write_json(os.path.join(folder, "run.json"), {**vars(args), "git_commit": git_commit()})
 
+    def last_checkpoint(self):
+        """The folder of the last whole checkpoint: checkpoint/, or checkpoint.old/ where a
+        save stopped between its two renames (save); None before the first."""
+        return next((f for f in (self.ckpt, self.ckpt + ".old") if os.path.isdir(f)), None)
+
     def resume(self, model, optimizer, name="default"):
         """Load the last checkpoint into model and optimizer; returns the step to start at."""
-        folder = self.ckpt if os.path.isdir(self.ckpt) else self.ckpt + ".old"
+        folder = self.last_checkpoint()
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
         from safetensors.torch import load_file
         weights = os.path.join(folder, "adapter_model.safetensors")
@@ -562,8 +572,7 @@ class RunFolder:
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         if os.path.isfile(self.log_path):  # forget log lines of steps after the checkpoint
-            with open(self.log_path) as f:
-                lines = [l for l in f if logged_step(l) is not None and logged_step(l) <= step]
+            lines = [json.dumps(r) + "\n" for r in read_log(self.log_path) if r["step"] <= step]  # as log() writes them
             write_atomic(self.log_path, lambda p: open(p, "w").write("".join(lines)))
         for name in os.listdir(self.snapshots) if os.path.isdir(self.snapshots) else []:
             # and its snapshots of later steps, whole or half-written
@@ -624,7 +633,7 @@ class RunFolder:
                 self.save(model, optimizer, step)
         except OSError as e:  # a full disk, above all: each write is whole or absent, so say which is left and stop
             left = ("the last checkpoint written is intact: make room, then continue with --resume"
-                    if os.path.isdir(self.ckpt) or os.path.isdir(self.ckpt + ".old") else
+                    if self.last_checkpoint() is not None else
                     "no checkpoint was written before it: make room, then start the run again")
             raise InputError(f"could not write step {step}'s adapter to {self.folder} ({e.strerror or e}); {left}") from None
         if stopping:
