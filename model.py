@@ -667,31 +667,41 @@ class Qwen3(nn.Module):
         logits = self.lm_head(h).float()
         return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
 
-    def token_kl(self, student_hidden, teacher_hidden, direction="reverse", chunk_size=1024):
+    def token_kl(self, student_hidden, teacher_hidden, direction="reverse", chunk_size=1024, teacher_head=None):
         """Per-state KL between next-token distributions, (N,) in fp32, chunked like
         token_logprobs. reverse: KL(student || teacher); forward: KL(teacher || student).
-        Only the student's states get a gradient. With the output layer frozen (LoRA), or
-        without a gradient, no tensor of vocabulary width is made (HeadKL); when the output
-        layer trains too, chunks are recomputed in the backward pass."""
+        The student's logits come from this model's output layer; the teacher's from
+        teacher_head, the teacher's output-layer weight (vocab, its hidden size), which is
+        this model's unless given: right for a teacher that is this base with another adapter
+        (LoRA leaves the output layer alone), wrong for any other model. Only the student's
+        states get a gradient. With the output layer frozen (LoRA), or without a gradient,
+        no tensor of vocabulary width is made (HeadKL); when the output layer trains too,
+        chunks are recomputed in the backward pass."""
+        weight = self.lm_head.weight
+        teacher_head = weight if teacher_head is None else teacher_head
         if direction not in ("reverse", "forward"):
             raise ValueError(f"token_kl: direction {direction!r} is neither 'reverse' (KL(student || teacher)) nor 'forward'")
-        if student_hidden.shape != teacher_hidden.shape:
+        if len(student_hidden) != len(teacher_hidden):
             raise ValueError(f"token_kl: student states {tuple(student_hidden.shape)} and teacher states "
                              f"{tuple(teacher_hidden.shape)} differ; pass the two models' states at the same positions")
+        if teacher_head.shape != (len(weight), teacher_hidden.shape[-1]):
+            raise ValueError(f"token_kl: teacher states of width {teacher_hidden.shape[-1]} and a teacher output layer "
+                             f"of shape {tuple(teacher_head.shape)}, against a student vocabulary of {len(weight)}; pass "
+                             f"the teacher model's lm_head.weight as teacher_head, for a teacher of the same vocabulary")
         out = []
-        weight = self.lm_head.weight
         for hs, ht in zip(student_hidden.split(chunk_size), teacher_hidden.split(chunk_size)):
             with_grad = torch.is_grad_enabled() and hs.requires_grad
             if with_grad and weight.requires_grad:
-                fn = lambda a, b: self._chunk_kl(a, b, direction)
+                fn = lambda a, b: self._chunk_kl(a, b, direction, teacher_head)
                 out.append(torch.utils.checkpoint.checkpoint(fn, hs, ht, use_reentrant=False))
             else:
-                out.append(HeadKL.apply(hs, ht.detach(), weight.detach(), direction, with_grad))
+                out.append(HeadKL.apply(hs, ht.detach(), weight.detach(), teacher_head.detach(), direction, with_grad))
         return torch.cat(out) if out else student_hidden.new_zeros(0, dtype=torch.float32)
 
-    def _chunk_kl(self, hs, ht, direction):
+    def _chunk_kl(self, hs, ht, direction, teacher_head):
         z = self.lm_head(hs).float()  # student logits, the only thing that gets a gradient
-        log_s, log_t = z.log_softmax(-1), self.lm_head(ht).float().log_softmax(-1)
+        log_s = z.log_softmax(-1)
+        log_t = linear(ht, teacher_head.detach(), dtype=torch.float32).log_softmax(-1)
         if direction == "reverse":  # KL(s || t) = sum p_s (log p_s - log p_t); d/dz = p_s (d - KL)
             p_s, d = log_s.exp(), log_s - log_t
             kl = (p_s * d).sum(-1)
@@ -763,8 +773,9 @@ class HeadLogprob(torch.autograd.Function):
 
 
 class HeadKL(torch.autograd.Function):
-    """Per-state KL between the next-token distributions that a frozen output layer W gives
-    student states hs and teacher states ht, sliced like HeadLogprob: for each of the two
+    """Per-state KL between the next-token distributions that frozen output layers give
+    student states hs (W) and teacher states ht (the teacher's, which may be W itself),
+    sliced like HeadLogprob: for each of the two
     a running max and sum of exponentials, and the sums below, rescaled as the maxes grow.
     With z the logits, p the distributions and lse the log-normalisers,
       reverse: KL = sum p_s (z_s - z_t) - lse_s + lse_t,
@@ -777,7 +788,7 @@ class HeadKL(torch.autograd.Function):
     same values cancel exactly."""
 
     @staticmethod
-    def forward(ctx, hs, ht, weight, direction, with_grad):
+    def forward(ctx, hs, ht, weight, teacher_weight, direction, with_grad):
         reverse = direction == "reverse"
         filled = lambda *shape, fill=0.0: hs.new_full(shape, fill, dtype=torch.float32)
         n = len(hs)
@@ -788,7 +799,7 @@ class HeadKL(torch.autograd.Function):
         rows_other = filled(n, weight.shape[1])  # sum e_s (z_s - z_t) W[v] (reverse) or sum e_t W[v] (forward)
         for start in range(0, len(weight), VOCAB_SLICE):
             w = weight[start:start + VOCAB_SLICE]
-            z_s, z_t = linear(hs, w).float(), linear(ht, w).float()
+            z_s, z_t = linear(hs, w).float(), linear(ht, teacher_weight[start:start + VOCAB_SLICE]).float()
             top_s, shrink_s, e_s, sum_s = fold_slice(top_s, sum_s, z_s)
             top_t, shrink_t, e_t, sum_t = fold_slice(top_t, sum_t, z_t)
             weighted_gap = e_s * (z_s - z_t) if reverse else e_t * (z_t - z_s)
@@ -812,7 +823,7 @@ class HeadKL(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (d_kl_d_hs,) = ctx.saved_tensors
-        return (grad.float()[:, None] * d_kl_d_hs).to(ctx.hs_dtype), None, None, None, None
+        return (grad.float()[:, None] * d_kl_d_hs).to(ctx.hs_dtype), None, None, None, None, None
 
 
 def left_pad(seqs, pad_id, device=None):

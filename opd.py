@@ -26,7 +26,6 @@ teacher shares the student's frozen base weights in memory: only the active adap
     python opd.py --teacher out/stress --state-source teacher --out out/kd-stress
 """
 import argparse
-import itertools
 import os
 import random
 import statistics
@@ -81,11 +80,13 @@ def load_teacher(model, tok, args):
     if not os.path.isdir(args.teacher) and args.teacher.count("/") != 1:
         raise M.InputError(f"teacher {args.teacher} does not exist; pass a run folder such as out/stress or a model id")
     folder = M.model_folder(args.teacher)
-    teacher_tok = M.load_tokenizer(folder, M.read_config(folder))  # checked before the weights are read
-    if teacher_tok.tok.get_vocab() != tok.tok.get_vocab() or teacher_tok.eos_id != tok.eos_id:
-        # token ids pass between the two models both ways, so another vocabulary is a silent mix-up
-        raise M.InputError(f"teacher {args.teacher} has another tokenizer than --model {args.model}; "
-                           f"pick a teacher that shares the student's tokenizer (the same model family)")
+    config = M.read_config(folder)
+    teacher_tok = M.load_tokenizer(folder, config)  # checked before the weights are read
+    # token ids pass between the two models both ways, and their logits are compared row by row
+    if (teacher_tok.tok.get_vocab() != tok.tok.get_vocab() or teacher_tok.eos_id != tok.eos_id
+            or config.vocab_size != model.config.vocab_size):
+        raise M.InputError(f"teacher {args.teacher} has another tokenizer or output vocabulary than --model "
+                           f"{args.model}; pick a teacher that shares the student's tokenizer (the same model family)")
     return M.load(folder, model.lm_head.weight.device, model.lm_head.weight.dtype)[0], None
 
 
@@ -146,7 +147,7 @@ def main(argv=None):
             teacher_h = teacher_states(sequences, starts)  # once a step: the logged KL and, for --signal logits, the loss
             with torch.no_grad(), M.autocast(device):  # teacher-student KL on the states, logged for both signals
                 student_h, targets, _ = M.sequence_states(model, sequences, starts, tok.pad_id)
-                state_kl = model.token_kl(student_h, teacher_h, args.kl).mean().item()
+                state_kl = model.token_kl(student_h, teacher_h, args.kl, teacher_head=teacher.lm_head.weight).mean().item()
                 # on the student's own rollouts this is the sampler's log-prob of its tokens; on the
                 # teacher's or the dataset's it says how far from the learner those states lie
                 state_nll = -model.token_logprobs(student_h, targets).mean().item()
@@ -163,18 +164,21 @@ def main(argv=None):
                 seqs, seq_starts = [p + c.completion_ids for p, c in zip(prefixes, conts)], [len(p) for p in prefixes]
             else:
                 seqs, seq_starts = sequences, starts
-            offsets = [0, *itertools.accumulate(len(s) - st for s, st in zip(seqs, seq_starts))]  # token range of each sequence
-            n_tokens = offsets[-1]
+            n_tokens = sum(len(s) - st for s, st in zip(seqs, seq_starts))
+            micro_batches = lora.micro_batches([len(s) for s in seqs], args.grad_accum, args.micro_batch_tokens)
             loss_sum = 0.0
-            for first, end_seq in lora.micro_batches([len(s) for s in seqs], args.grad_accum, args.micro_batch_tokens):
+            for first, end_seq in micro_batches:
                 part, part_starts = seqs[first:end_seq], seq_starts[first:end_seq]
                 with M.autocast(device):
                     if args.signal == "continuation":
                         loss, metrics = continuation_loss(M.sequence_logprobs(model, part, part_starts, tok.pad_id)[0])
                     else:
                         student_h = M.sequence_states(model, part, part_starts, tok.pad_id)[0]
-                        lo, hi = offsets[first], offsets[end_seq]
-                        loss, metrics = logit_kl_loss(model.token_kl(student_h, teacher_h[lo:hi], args.kl))
+                        # a split step runs the teacher on each micro-batch too, in the student's rows: where
+                        # the models agree, KL and gradient are then exactly zero, not noise Adam scales up
+                        part_teacher_h = teacher_h if len(micro_batches) == 1 else teacher_states(part, part_starts)
+                        loss, metrics = logit_kl_loss(model.token_kl(student_h, part_teacher_h, args.kl,
+                                                                     teacher_head=teacher.lm_head.weight))
                 weight = metrics["tokens"] / n_tokens  # micro-batches add up to the token mean of the whole step
                 (loss * weight).backward()
                 loss_sum += loss.item() * weight

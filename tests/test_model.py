@@ -395,6 +395,31 @@ def test_token_kl_value_and_gradient(tiny_model, direction, head, vocab_slice, p
     assert (same == 0).all() and (h3.grad == 0).all()  # exactly, not approximately
 
 
+@pytest.mark.parametrize("direction", ["reverse", "forward"])
+@pytest.mark.parametrize("head", ["trainable", "frozen"])
+def test_token_kl_reads_teacher_states_with_the_teachers_own_output_layer(tiny_models, direction, head, monkeypatch):
+    # a teacher of another width and output layer (the same vocabulary): its states go
+    # through its own layer, the student's through the student's
+    monkeypatch.setattr(M, "VOCAB_SLICE", 96)
+    student, tok = M.load(tiny_models["tied"])
+    teacher, _ = M.load(tiny_models["untied"])
+    student.lm_head.weight.requires_grad_(head == "trainable")
+    ids = torch.tensor([tok.encode("Question: what is 6 times 7?\nAnswer: 42")])
+    with torch.no_grad():
+        hs, ht = student(ids, hidden_only=True)[0], teacher(ids, hidden_only=True)[0]
+    h1 = hs.clone().requires_grad_(True)
+    got = student.token_kl(h1, ht, direction, chunk_size=3, teacher_head=teacher.lm_head.weight)
+    h2 = hs.clone().requires_grad_(True)
+    ls, lt = student.lm_head(h2).log_softmax(-1), teacher.lm_head(ht).log_softmax(-1)
+    expected = (ls.exp() * (ls - lt)).sum(-1) if direction == "reverse" else (lt.exp() * (lt - ls)).sum(-1)
+    assert torch.allclose(got, expected, atol=1e-5) and (got > 0).all()
+    got.sum().backward()
+    expected.sum().backward()
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-5)
+    with pytest.raises(ValueError, match=r"teacher states of width 48 and a teacher output layer of shape \(400, 64\)"):
+        student.token_kl(hs, ht)  # the teacher's states through the student's layer: refused, not mixed up
+
+
 def test_our_writer_round_trips_and_transformers_opens_it(tiny_model, tmp_path):
     from transformers import Qwen3ForCausalLM
     for name, tied in [("tied", True), ("untied", False)]:

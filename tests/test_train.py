@@ -172,13 +172,36 @@ def test_opd_student_learns_the_teachers_fixed_answer(tiny_model, data_dir, tmp_
     assert all(t == " " + answer for t in texts), texts
 
 
-def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_dir, tmp_path):
+@pytest.mark.parametrize("split", [[], ["--micro-batch-tokens", 1]])  # one pass a step, a pass a sequence
+def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_dir, tmp_path, split):
     out = tmp_path / "opd"
     opd.main(common(tiny_model, data_dir, out, "--teacher", tiny_model, "--signal", "logits", "--prompts-per-step", 2,
-                    "--max-new-tokens", 8, "--max-steps", 3))
+                    "--max-new-tokens", 8, "--max-steps", 3, *split))
     log = read_log(out)
     assert all(r["loss"] == 0.0 and r["state_kl"] == 0.0 and r["grad_norm"] == 0.0 for r in log)
     assert all(t.abs().max() == 0 for k, t in adapter_tensors(out).items() if "lora_B" in k)
+
+
+def test_opd_logit_kl_reads_a_separate_teachers_logits_from_its_own_output_layer(tiny_model, data_dir, tmp_path):
+    # the teacher: the student's base with an output layer of its own. At the first step the
+    # student is that base, so the two models' states are the same and only the output
+    # layers tell the two distributions apart
+    from safetensors.torch import load_file, save_file
+    import shutil
+    teacher = tmp_path / "teacher"
+    shutil.copytree(tiny_model, teacher)
+    config = json.loads((teacher / "config.json").read_text())
+    (teacher / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=False)))
+    weights = load_file(str(teacher / "model.safetensors"))
+    g = torch.Generator().manual_seed(5)
+    weights["lm_head.weight"] = torch.randn(weights["model.embed_tokens.weight"].shape, generator=g) * 0.5
+    save_file(weights, str(teacher / "model.safetensors"), metadata={"format": "pt"})
+    out = tmp_path / "opd"
+    opd.main(common(tiny_model, data_dir, out, "--teacher", teacher, "--signal", "logits", "--prompts-per-step", 2,
+                    "--max-new-tokens", 8, "--max-steps", 1))
+    (first,) = read_log(out)
+    assert first["state_kl"] > 0.1 and first["loss"] == pytest.approx(first["state_kl"], rel=1e-5)
+    assert any(t.abs().max() > 0 for k, t in adapter_tensors(out).items() if "lora_B" in k)
 
 
 def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_path, monkeypatch):
@@ -489,7 +512,13 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkey
     M.train_tokenizer(["Question: how many apples?\nAnswer: 12 apples."] * 20, str(retokenized / "tokenizer.json"),
                       vocab_size=300)
     lines = run(retokenized, tiny_models["tied"])
-    assert len(lines) == 1 and "has another tokenizer than --model" in lines[0], lines
+    assert len(lines) == 1 and "has another tokenizer or output vocabulary than --model" in lines[0], lines
+    wider = tmp_path / "wider"  # the same tokenizer, but an output layer of more rows: logits would not line up
+    shutil.copytree(tiny_models["tied"], wider)
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 8)))
+    lines = run(wider, tiny_models["tied"])
+    assert len(lines) == 1 and "has another tokenizer or output vocabulary than --model" in lines[0], lines
     shutil.copytree(tiny_models["tied"], tmp_path / "copy")  # loaded on its own, and its tokenizer is the same
     opd.main(common(tiny_models["tied"], data_dir, tmp_path / "same", "--teacher", tmp_path / "copy", "--max-steps", 1,
                     "--prompts-per-step", 1, "--max-new-tokens", 4))
@@ -525,13 +554,27 @@ def test_sft_max_length_that_cuts_every_answer_is_an_input_error(tiny_model, dat
 
 
 @pytest.mark.parametrize("split", [["--grad-accum", 2], ["--micro-batch-tokens", 1]])
-@pytest.mark.parametrize("script", ["sft", "rl", "opd"])
-def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_model, data_dir, tmp_path, script, split, monkeypatch):
-    main = MAINS[script]
+@pytest.mark.parametrize("script", ["sft", "rl", "opd", "opd-logits"])
+def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_models, data_dir, tmp_path, script, split, monkeypatch):
+    tiny_model, main = tiny_models["tied"], MAINS[script.split("-")[0]]
+    opd_flags = ["--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 2, "--continuation-tokens", 4, "--lr", 1e-3]
     extra = {"sft": ["--train-limit", 8, "--batch-size", 4, "--lora-dropout", 0, "--max-steps", 2],
              "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
-             "opd": ["--teacher", tiny_model, "--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 2,
-                     "--continuation-tokens", 4, "--lr", 1e-3]}[script]
+             "opd": ["--teacher", tiny_model, *opd_flags],
+             # another model as the teacher: with the student's own base the KL is zero, and nothing trains
+             "opd-logits": ["--teacher", tiny_models["untied"], *opd_flags, "--signal", "logits"]}[script]
+    if script != "sft":
+        # a random model writes to the token limit every time; cut its completions to unequal
+        # lengths, so that micro-batches hold unequal numbers of the step's tokens
+        module, plain_generate = (rl, rl.generate) if script == "rl" else (opd, opd.generate)
+
+        def uneven(*args, **kwargs):
+            rollouts = plain_generate(*args, **kwargs)
+            for i, r in enumerate(rollouts):
+                keep = 1 + i % len(r.completion_ids)
+                r.completion_ids, r.logprobs = r.completion_ids[:keep], r.logprobs[:keep]
+            return rollouts
+        monkeypatch.setattr(module, "generate", uneven)
     passes = []  # how many sequences each training pass (a pass with a gradient) runs
     plain_states = M.sequence_states
 
@@ -549,11 +592,17 @@ def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_model, data_dir,
         assert len(passes) == 4 and max(passes) == -(-whole // 2)
     else:  # a bound below every sequence's length: each sequence in a pass of its own
         assert set(passes) == {1} and len(passes) == 2 * whole
-    a, b = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "split")
-    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5
-    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)
+    # the same loss and gradient, each micro-batch weighed by its share of the step's tokens
     la, lb = read_log(tmp_path / "one"), read_log(tmp_path / "split")
-    assert all(abs(x["loss"] - y["loss"]) < 1e-5 for x, y in zip(la, lb))
+    assert all(x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7) for x, y in zip(la, lb)), (la, lb)
+    assert all(x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5, abs=1e-7) for x, y in zip(la, lb)), (la, lb)
+    # Adam moves a parameter by lr g / (|g| + 1e-8): by the whole lr (1e-3) whatever the rounding
+    # of g, except where g is within a few hundred times 1e-8, and there rounding shows (in rl's
+    # uneven split about 1e-5: a gradient near 8e-8, a sum of nearly cancelling terms rounded
+    # otherwise, moved its entry by 0.88 lr)
+    a, b = adapter_tensors(tmp_path / "one"), adapter_tensors(tmp_path / "split")
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-4
+    assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)
 
 
 @pytest.mark.parametrize("script", ["sft", "rl", "opd"])
