@@ -101,6 +101,30 @@ def test_mmlu_subset_is_stratified_and_fixed(data_dir):
     assert len(data.mmlu_subset(test, 0)) == 14042
 
 
+def test_mmlu_subset_gives_leftover_questions_to_the_largest_remainders():
+    # shares of 7 questions over 6, 3 and 1: 4.2, 2.1 and 0.7; the floors give 6, and the
+    # seventh goes to the subject whose share lost the most to its floor, the one-question one
+    test = {name: [dict(subject=name, i=i) for i in range(n)] for name, n in (("big", 6), ("mid", 3), ("one", 1))}
+    counts = lambda rows: {name: sum(r["subject"] == name for r in rows) for name in test}
+    assert counts(data.mmlu_subset(test, 7)) == {"big": 4, "mid": 2, "one": 1}
+    assert counts(data.mmlu_subset(test, 5)) == {"big": 3, "mid": 2, "one": 0}  # 3.0, 1.5, 0.5: a tie, the first wins
+    assert counts(data.mmlu_subset(test, 99)) == {"big": 6, "mid": 3, "one": 1}
+    picked = data.mmlu_subset(test, 7)
+    assert [r["i"] for r in picked if r["subject"] == "big"] == sorted(r["i"] for r in picked if r["subject"] == "big")
+
+
+def test_batch_indices_take_a_fresh_permutation_each_epoch():
+    n, batch = 10, 4
+    steps = [data.batch_indices(n, step, batch, seed=3) for step in range(5)]
+    assert all(len(s) == batch for s in steps)
+    flat = [i for s in steps for i in s]
+    assert sorted(flat[:n]) == list(range(n)) and sorted(flat[n:2 * n]) == list(range(n))
+    assert flat[:n] != flat[n:2 * n]  # the second epoch is shuffled again, not the first one repeated
+    assert steps[2] == flat[8:12]  # a batch across the epochs' boundary: the first epoch's end, the next's start
+    assert data.batch_indices(n, 2, batch, seed=3) == steps[2]  # a function of the step alone: what --resume needs
+    assert data.batch_indices(n, 0, batch, seed=4) != steps[0]
+
+
 def test_malformed_rows_name_file_and_line(tmp_path):
     bad = tmp_path / "gsm8k"
     bad.mkdir()

@@ -106,6 +106,31 @@ def test_sliced_wasserstein_is_zero_on_itself_and_grows_with_shift():
     assert abs(d[1] / d[0] - 2) < 1e-6
 
 
+def test_bandwidth_is_the_median_distance_between_distinct_base_states():
+    X = torch.tensor([[0.0, 0.0], [3.0, 4.0], [6.0, 8.0], [6.0, 8.0]])
+    # distances between distinct points: 5, 10, 10, 5, 5 and 0 (the repeated state, left out)
+    assert drift.median_bandwidth(X) == pytest.approx(5.0)
+    assert drift.median_bandwidth(2 * X) == pytest.approx(10.0)  # a distance, so it scales with the features
+    assert drift.median_bandwidth(torch.ones(3, 2)) == 1.0  # all states alike: a neutral width, not 0
+
+
+def test_sliced_wasserstein_of_a_shift_in_one_dimension_is_the_shift():
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(300, 1, generator=g)
+    # in one dimension every unit direction is +1 or -1, and each moves the sample by the shift
+    assert drift.sliced_wasserstein(X, X + 0.7) == pytest.approx(0.7, rel=1e-6)  # X + 0.7 rounded to fp32
+    Y = torch.randn(300, 5, generator=g)
+    assert drift.sliced_wasserstein(3 * Y, 3 * Y + 1) == pytest.approx(3 * drift.sliced_wasserstein(Y, Y + 1 / 3), rel=1e-6)
+
+
+def test_lexical_features_see_word_order_through_bigrams():
+    a, b = drift.lexical_features(["the dog bit the man", "the man bit the dog"])
+    assert not torch.allclose(a, b)  # the same words: only the bigrams differ
+    # unigrams a, b twice each; bigrams "a b" twice, "b a" once: counts 2, 2, 2, 1 over their norm
+    counts = drift.lexical_features(["a b a b"], buckets=2 ** 16)[0] * 13 ** 0.5
+    assert sorted(counts[counts > 0].tolist()) == pytest.approx([1.0, 2.0, 2.0, 2.0])
+
+
 def test_lexical_features_are_deterministic_across_processes():
     texts = ["She has 3 apples and buys 5 more.", "Total: $12,000 per year."]
     here = drift.lexical_features(texts)

@@ -222,6 +222,24 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     mmlu_right = [s["correct"] for s in samples if s["task"] == "mmlu"]
     assert sum(mmlu_right) / 8 == base["mmlu"]["acc"]
     assert abs(base["mmlu"]["acc_stderr"] - np.std(mmlu_right, ddof=1) / np.sqrt(8)) < 1e-12
+    # each answer is the choice of highest log-likelihood, right where it is the gold one
+    truthfulqa = data.load_truthfulqa(data_dir)
+    for s in samples:
+        if s["task"] == "mmlu":
+            assert s["prediction"] == int(np.argmax(s["loglikelihoods"]))
+            assert s["correct"] == (s["prediction"] == s["answer"])
+        elif s["task"] == "truthfulqa":
+            mc1_labels = list(truthfulqa[s["index"]]["mc1_targets"].values())
+            mc2_labels = list(truthfulqa[s["index"]]["mc2_targets"].values())
+            assert s["prediction"] == int(np.argmax(s["mc1_loglikelihoods"]))
+            assert s["correct"] == (mc1_labels[s["prediction"]] == 1)
+            assert s["mc2"] == E.mc2_score(s["mc2_loglikelihoods"], mc2_labels)
+        else:
+            assert s["flexible"] == data.extract_answer(s["completion"], "flexible")
+            assert s["correct"] == data.same_number(s["flexible"], s["gold"])
+    tqa = [s for s in samples if s["task"] == "truthfulqa"]
+    assert base["truthfulqa"]["mc1"] == sum(s["correct"] for s in tqa) / 8
+    assert abs(base["truthfulqa"]["mc2"] - sum(s["mc2"] for s in tqa) / 8) < 1e-12
 
     # a run folder: base model + a random adapter gets retention against the base
     m, _ = M.load(tiny_model)

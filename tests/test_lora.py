@@ -1,3 +1,5 @@
+import argparse
+
 import pytest
 import torch
 
@@ -314,6 +316,31 @@ def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_p
     save_file({k: v for k, v in load_file(path).items() if "layers.1.mlp.up_proj.lora_B" not in k}, path)
     with pytest.raises(M.InputError, match="up_proj.lora_A.weight has no lora_B beside it"):
         lora.update_norm(str(tmp_path / "ours"))
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_a_cosine_to_zero():
+    peak, total = 1e-3, 100
+    lr = [lora.lr_at(step, total, peak, 0.1) for step in range(total + 1)]  # 10 warmup steps
+    assert lr[0] == pytest.approx(peak / 10)  # the first step already learns
+    assert lr[4] == pytest.approx(peak / 2) and lr[9] == pytest.approx(peak)
+    assert lr[10] == pytest.approx(peak)  # the decay starts from the peak
+    assert lr[55] == pytest.approx(peak / 2)  # halfway through the 90 decay steps
+    assert lr[100] == pytest.approx(0, abs=1e-18)
+    assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
+    assert lora.lr_at(0, total, peak, 0.0) == peak  # no warmup: the first step at the peak
+    assert lora.lr_at(1, 2, peak, 0.0) == pytest.approx(peak / 2)
+
+
+@pytest.mark.parametrize("grad_clip,expected", [(1.0, [-0.6, -0.8]), (10.0, [-3.0, -4.0]), (0.0, [-3.0, -4.0])])
+def test_optimizer_step_clips_the_gradient_norm_before_the_step(grad_clip, expected):
+    # plain SGD with lr 1, so the update is the gradient as clipped (AdamW would hide the scale)
+    p = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.SGD([p], lr=1.0)
+    p.grad = torch.tensor([3.0, 4.0])
+    args = argparse.Namespace(lr=1.0, warmup=0.0, grad_clip=grad_clip)
+    lr, grad_norm = lora.optimizer_step(optimizer, 0, 10, args)
+    assert lr == 1.0 and grad_norm == pytest.approx(5.0)  # the norm before clipping, as logged
+    assert torch.allclose(p.detach(), torch.tensor(expected)) and p.grad is None
 
 
 def test_micro_batches_split_in_order_under_the_token_bound():

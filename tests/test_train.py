@@ -130,6 +130,34 @@ def test_rl_kl_penalty_holds_the_policy_near_the_base_model(tiny_model, data_dir
     assert before < held and held - before < 0.5 * (free - before), (before, held, free)
 
 
+def test_rl_group_advantages_are_rewards_standardised_within_each_prompts_group():
+    adv = rl.group_advantages([1, 0, 0, 0, 1, 1, 0, 0, 1, 1, 1, 1], 4)
+    # group one: mean 1/4, population std sqrt(3)/4; group two: mean 1/2, std 1/2
+    std = 3 ** 0.5 / 4
+    expected = [0.75 / (std + 1e-4), *[-0.25 / (std + 1e-4)] * 3, *[0.5 / 0.5001] * 2, *[-0.5 / 0.5001] * 2]
+    assert adv[:8].tolist() == pytest.approx(expected, rel=1e-6)
+    assert adv[8:].tolist() == [0.0] * 4  # every sample alike: nothing to learn from this prompt
+    assert adv[:4].sum().item() == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.parametrize("advantage,ratio,loss,clipped", [
+    (1.0, 1.5, -1.2, True),    # a good token already made likelier than the clip allows: no further push
+    (1.0, 0.5, -0.5, False),   # a good token made less likely: pushed back up
+    (-1.0, 1.5, 1.5, False),   # a bad token made likelier: pushed back down
+    (-1.0, 0.5, 0.8, True),    # a bad token already made unlikelier than the clip allows: left alone
+    (1.0, 1.1, -1.1, False),   # inside the clip range the plain ratio times the advantage
+])
+def test_rl_policy_loss_is_ppos_pessimistic_clipped_objective(advantage, ratio, loss, clipped):
+    old = torch.tensor([-2.0])
+    logp = (old + torch.tensor([ratio]).log()).requires_grad_(True)
+    value, metrics = rl.policy_loss(logp, old, torch.tensor([advantage]), clip=0.2)
+    assert value.item() == pytest.approx(loss, rel=1e-6)
+    value.backward()
+    # the gradient of -ratio * A with respect to logp is -ratio * A, or zero where clipped
+    assert logp.grad.item() == pytest.approx(0.0 if clipped else -ratio * advantage, rel=1e-6)
+    assert metrics["clip_frac"] == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
+
+
 def test_rl_k3_estimates_the_policys_kl_from_the_reference():
     """rl.policy_loss's KL term at tokens sampled from the policy averages to KL(policy || reference),
     and its gradient pulls each sampled token's log-prob towards the reference's."""
