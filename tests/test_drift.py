@@ -1,3 +1,4 @@
+import json
 import math
 import statistics
 import subprocess
@@ -179,6 +180,22 @@ def test_generated_embedding_reads_only_the_generated_part(tiny_model):
     assert torch.allclose(hidden, torch.stack(alone), atol=1e-5)
     whole, prompts = drift.featurize(net, tok, rollouts, "hidden", "state")
     assert whole.shape[0] == 3 and prompts == [0, 1, 1] and not torch.allclose(whole[:2], hidden, atol=1e-3)
+
+
+def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, tmp_path):
+    # a fresh adapter (B = 0) is the base model; sample i of every model draws from the same
+    # seed, so its rollouts are the base's, token for token, and every distance is zero
+    import lora
+    run = tmp_path / "fresh"
+    m, _ = M.load(tiny_model)
+    lora.add_lora(m, rank=2, alpha=4)
+    lora.save_adapter(m, str(run), base_model=tiny_model)
+    drift.main([str(run), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path / "out"),
+                "--prompts", "6", "--max-new-tokens", "12", "--stride", "4", "--permutations", "20"])
+    result = json.loads((run / "drift.json").read_text())
+    assert result["mmd2"] == 0.0 and result["p_value"] == 1.0, result
+    assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
+    assert result["n_states_run"] == result["n_states_base"] >= 6
 
 
 def test_drift_cli_names_bad_arguments(capsys):

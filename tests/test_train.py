@@ -576,6 +576,26 @@ def test_bad_flags_are_named_before_anything_runs(script, argv, message, capsys)
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_the_answer(tiny_model, data_dir,
+                                                                                        tmp_path, monkeypatch):
+    _, tok = M.load(tiny_model)
+    gold = [data.gsm8k_gold_ids(tok, r) for r in data.load_gsm8k("train", data_dir)[:8]]
+    prompt_lengths = sorted(len(p) for p, _ in gold)
+    limit = prompt_lengths[4] + 3  # the longest prompts fill it: their examples have nothing left to learn
+    trained = []
+    plain_states = M.sequence_states
+
+    def recorded_states(model, sequences, starts, *rest):
+        trained.extend(zip(map(tuple, sequences), starts))
+        return plain_states(model, sequences, starts, *rest)
+    monkeypatch.setattr(M, "sequence_states", recorded_states)
+    sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 8, "--max-length", limit,
+                    "--max-steps", 1))
+    expected = {(tuple((p + a)[:limit]), len(p)) for p, a in gold if len(p) < limit}
+    assert set(trained) == expected and 0 < len(expected) < 8
+    assert max(len(s) for s, _ in trained) == limit
+
+
 def test_sft_max_length_that_cuts_every_answer_is_an_input_error(tiny_model, data_dir, tmp_path):
     with pytest.raises(M.InputError, match="--max-length 4 cuts every example before its answer"):
         sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--max-length", 4, "--max-steps", 1))
