@@ -56,3 +56,19 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     lines = fourth.stderr.strip().splitlines()
     assert fourth.returncode == 1 and len(lines) == 1, fourth.stderr[-3000:]
     assert f"rl was trained with other settings than the smoke preset's now (--lr 0.5 -> {settings['lr']}); delete" in lines[0]
+
+
+def test_each_seed_trains_its_own_conditions_from_its_own_teachers():
+    import reproduce
+    first, third = reproduce.runs_of("out"), reproduce.runs_of("out", seed=2)
+    assert list(first) == RUNS[1:] and list(third) == [f"{run}-seed2" for run in RUNS[1:]]
+    for seed, runs in ((0, first), (2, third)):
+        tag = f"-seed{seed}" if seed else ""
+        for name, (script, argv) in runs.items():
+            args = reproduce.PARSERS[script](argv)  # flags the script knows
+            assert args.seed == seed
+            if script == "opd":  # the teacher trained with the same seed, never another seed's
+                assert args.teacher == os.path.join("out", ("mild" if "mild" in name else "stress") + tag)
+        states = {name: reproduce.PARSERS["opd"](runs[name][1]).state_source for name in (f"opd-stress{tag}", f"kd-stress{tag}")}
+        assert states == {f"opd-stress{tag}": "student", f"kd-stress{tag}": "teacher"}
+        assert reproduce.PARSERS["opd"](runs[f"opd-logits{tag}"][1]).signal == "logits"
