@@ -116,8 +116,11 @@ def main(argv=None):
     end = min(args.steps, args.max_steps) if args.max_steps else args.steps
 
     def teacher_states(sequences, starts):  # the teacher's hidden states at the student's states
-        with torch.no_grad(), lora.use_adapter(teacher, teacher_adapter), M.autocast(device):
-            return M.sequence_states(teacher, sequences, starts, tok.pad_id)[0]
+        training = teacher.training  # eval mode, so no adapter dropout, also amid the student's (shared) training pass
+        with torch.no_grad(), lora.use_adapter(teacher.eval(), teacher_adapter), M.autocast(device):
+            states = M.sequence_states(teacher, sequences, starts, tok.pad_id)[0]
+        teacher.train(training)
+        return states
 
     bar = tqdm(range(start, end), initial=start, total=end, desc=f"opd-{args.signal}")
     with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
@@ -126,8 +129,7 @@ def main(argv=None):
             torch.manual_seed(args.seed * 1_000_003 + step)
             batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
 
-            # the state source: the student samples its own trajectories (or the teacher does, or
-            # the dataset supplies them)
+            # the state source: the student's own trajectories (or the teacher's, or the dataset's)
             model.eval()
             if args.state_source == "data":
                 gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
@@ -152,18 +154,16 @@ def main(argv=None):
                 # teacher's or the dataset's it says how far from the learner those states lie
                 state_nll = -model.token_logprobs(student_h, targets).mean().item()
 
-            model.train()
             if args.signal == "continuation":
                 rng = random.Random(args.seed * 1_000_003 + step)
                 prefixes = [seq[:start + t] for seq, start in zip(sequences, starts)
                             for t in sorted(rng.sample(range(len(seq) - start), min(args.cuts, len(seq) - start)))]
                 with lora.use_adapter(teacher, teacher_adapter):  # the signal: teacher continues each state's prefix
-                    teacher.eval()
                     conts = generate(teacher, tok, prefixes, max_new_tokens=args.continuation_tokens, temperature=0)
-                model.train()
                 seqs, seq_starts = [p + c.completion_ids for p, c in zip(prefixes, conts)], [len(p) for p in prefixes]
             else:
                 seqs, seq_starts = sequences, starts
+            model.train()
             n_tokens = sum(len(s) - st for s, st in zip(seqs, seq_starts))
             micro_batches = lora.micro_batches([len(s) for s in seqs], args.grad_accum, args.micro_batch_tokens)
             loss_sum = 0.0

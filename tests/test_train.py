@@ -232,6 +232,27 @@ def test_opd_logit_kl_reads_a_separate_teachers_logits_from_its_own_output_layer
     assert any(t.abs().max() > 0 for k, t in adapter_tensors(out).items() if "lora_B" in k)
 
 
+def test_a_split_logit_kl_step_reads_a_run_folder_teacher_without_its_dropout(tiny_model, data_dir, tmp_path):
+    # a teacher trained with LoRA dropout keeps it in its adapter_config.json; a split step
+    # runs the teacher again amid the student's training pass, on the shared base, and must
+    # still run it as in evaluation, as the unsplit step does
+    m, _ = M.load(tiny_model)
+    lora.add_lora(m, rank=2, alpha=4, dropout=0.5)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in lora.lora_parameters(m):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    lora.save_adapter(m, str(tmp_path / "teacher"), base_model=tiny_model)
+    assert json.loads((tmp_path / "teacher" / "adapter_config.json").read_text())["lora_dropout"] == 0.5
+    logs = []
+    for name, split in (("one", []), ("split", ["--micro-batch-tokens", 1])):
+        opd.main(common(tiny_model, data_dir, tmp_path / name, "--teacher", tmp_path / "teacher", "--signal", "logits",
+                        "--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 1, *split))
+        logs.append(read_log(tmp_path / name)[0])
+    assert logs[0]["loss"] > 0.01 and logs[1]["loss"] == pytest.approx(logs[0]["loss"], rel=1e-5)
+    assert logs[1]["grad_norm"] == pytest.approx(logs[0]["grad_norm"], rel=1e-5)
+
+
 def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_path, monkeypatch):
     seen = {"trained": [], "sampled": []}
     real_logprobs, real_generate = M.sequence_logprobs, rl.generate
