@@ -69,6 +69,19 @@ def test_our_adapter_opens_in_peft_with_equal_logits(tiny_model, tmp_path):
     lora.load_adapter(again, str(tmp_path / "ours"), name="reloaded")
     with torch.no_grad():
         assert (again(ids) - ours(ids)).abs().max() < 1e-6
+    # the same tensors under keys that keep peft's adapter name (".lora_A.default.weight"), as
+    # some tools write them
+    from safetensors.torch import load_file, save_file
+    named = tmp_path / "named"
+    named.mkdir()
+    (named / "adapter_config.json").write_text((tmp_path / "ours" / "adapter_config.json").read_text())
+    state = load_file(str(tmp_path / "ours" / "adapter_model.safetensors"))
+    save_file({k.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): v
+               for k, v in state.items()}, str(named / "adapter_model.safetensors"))
+    third, _ = M.load(tiny_model)
+    lora.load_adapter(third, str(named))
+    loaded, reference = list(lora.lora_parameters(third)), list(lora.lora_parameters(again, "reloaded"))
+    assert len(loaded) == len(reference) > 0 and all(torch.equal(a, b) for a, b in zip(loaded, reference))
 
 
 def test_merge_unmerge_and_switching(tiny_model):
