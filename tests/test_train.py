@@ -663,6 +663,7 @@ def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_models, data_dir
         assert set(passes) == {1} and len(passes) == 2 * whole
     # the same loss and gradient, each micro-batch weighed by its share of the step's tokens
     la, lb = read_log(tmp_path / "one"), read_log(tmp_path / "split")
+    assert len(la) == len(lb) == 2
     assert all(x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7) for x, y in zip(la, lb)), (la, lb)
     assert all(x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5, abs=1e-7) for x, y in zip(la, lb)), (la, lb)
     # Adam moves a parameter by lr g / (|g| + 1e-8): by the whole lr (1e-3) whatever the rounding
