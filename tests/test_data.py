@@ -64,6 +64,9 @@ def test_prompt_texts(data_dir):
         "D. This type produces high amounts of X-rays.\n"
         "Answer:")
     assert data.mmlu_prompt(row, dev["astronomy"][:1]) == expected
+    law = test["professional_law"][0]
+    assert data.mmlu_prompt(law, []).startswith(
+        "The following are multiple choice questions (with answers) about professional law.\n\n")
     assert data.mmlu_continuations(row) == [" A", " B", " C", " D"]
     assert data.mmlu_continuations(row, "text")[0] == " This type occurs in binary systems."
     tqa = data.load_truthfulqa(data_dir)

@@ -237,6 +237,10 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
         else:
             assert s["flexible"] == data.extract_answer(s["completion"], "flexible")
             assert s["correct"] == data.same_number(s["flexible"], s["gold"])
+    train = data.load_gsm8k("train", data_dir)
+    gsm8k_rows = data.load_gsm8k("test", data_dir)
+    for s in (s for s in samples if s["task"] == "gsm8k"):  # --gsm8k-shots 1: the first train example
+        assert s["prompt"] == data.gsm8k_prompt(gsm8k_rows[s["index"]]["question"], train[:1])
     tqa = [s for s in samples if s["task"] == "truthfulqa"]
     assert base["truthfulqa"]["mc1"] == sum(s["correct"] for s in tqa) / 8
     assert abs(base["truthfulqa"]["mc2"] - sum(s["mc2"] for s in tqa) / 8) < 1e-12
@@ -263,13 +267,20 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     assert bad.returncode != 0 and "is not a run folder" in bad.stderr.strip().splitlines()[-1]
 
 
-def test_more_mmlu_shots_than_the_dev_split_holds_is_an_input_error(data_dir):
+def test_more_mmlu_shots_than_the_dev_split_holds_is_an_input_error(data_dir, monkeypatch):
     p = argparse.ArgumentParser()
     E.add_eval_args(p)
     args = p.parse_args(["--mmlu-limit", "8", "--mmlu-shots", "6"])
     args.data_dir = data_dir
     with pytest.raises(M.InputError, match=r"--mmlu-shots 6: the dev split holds 5 examples of \w+; pass --mmlu-shots 5"):
         E.eval_mmlu(None, None, args)  # raised before any model is needed
+    # five, the default and all the dev split holds, is taken: every prompt gets its subject's five examples
+    args.mmlu_shots = 5
+    prompts = []
+    monkeypatch.setattr(E, "score_choices", lambda model, tok, contexts, choices, *rest, **kw:
+                        prompts.extend(contexts) or [[0.0] * 4 for _ in contexts])
+    E.eval_mmlu(None, None, args)
+    assert len(prompts) == 8 and all(p.count("\nAnswer: ") == 5 for p in prompts)
 
 
 @pytest.mark.parametrize("tasks,unknown", [("gsm8k,mmlux", "mmlux"), ("gsm8k,", ""), ("MMLU", "MMLU")])

@@ -158,6 +158,17 @@ def test_rl_policy_loss_is_ppos_pessimistic_clipped_objective(advantage, ratio, 
     assert metrics["clip_frac"] == (1.0 if abs(ratio - 1) > 0.2 else 0.0)
 
 
+def test_rl_step_whose_every_group_got_one_reward_learns_nothing(tiny_model, data_dir, tmp_path):
+    # every sample of a prompt rewarded alike: no advantage, so no gradient, however high the reward
+    out = tmp_path / "rl"
+    rl.main(common(tiny_model, data_dir, out, "--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 4,
+                   "--max-steps", 2), reward_fn=lambda rollout, row: 1.0)
+    log = read_log(out)
+    assert [r["no_signal_frac"] for r in log] == [1.0, 1.0] and [r["reward"] for r in log] == [1.0, 1.0]
+    assert all(r["loss"] == 0.0 and r["grad_norm"] == 0.0 for r in log)
+    assert all(t.abs().max() == 0 for k, t in adapter_tensors(out).items() if "lora_B" in k)
+
+
 def test_rl_k3_estimates_the_policys_kl_from_the_reference():
     """rl.policy_loss's KL term at tokens sampled from the policy averages to KL(policy || reference),
     and its gradient pulls each sampled token's log-prob towards the reference's."""
@@ -251,6 +262,15 @@ def test_a_split_logit_kl_step_reads_a_run_folder_teacher_without_its_dropout(ti
         logs.append(read_log(tmp_path / name)[0])
     assert logs[0]["loss"] > 0.01 and logs[1]["loss"] == pytest.approx(logs[0]["loss"], rel=1e-5)
     assert logs[1]["grad_norm"] == pytest.approx(logs[0]["grad_norm"], rel=1e-5)
+
+
+def test_opd_on_gold_states_logs_the_reward_of_gold_answers(tiny_model, data_dir, tmp_path):
+    # --state-source data: the states are GSM8K's own solutions, each right by definition when
+    # none is cut short, so the logged reward of the states is 1 at every step
+    out = tmp_path / "opd"
+    opd.main(common(tiny_model, data_dir, out, "--teacher", tiny_model, "--state-source", "data", "--prompts-per-step", 3,
+                    "--max-new-tokens", 2000, "--continuation-tokens", 2, "--max-steps", 2))
+    assert [r["reward"] for r in read_log(out)] == [1.0, 1.0]
 
 
 def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_path, monkeypatch):
