@@ -190,12 +190,15 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
     m, _ = M.load(tiny_model)
     lora.add_lora(m, rank=2, alpha=4)
     lora.save_adapter(m, str(run), base_model=tiny_model)
-    drift.main([str(run), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path / "out"),
-                "--prompts", "6", "--max-new-tokens", "12", "--stride", "4", "--permutations", "20"])
-    result = json.loads((run / "drift.json").read_text())
-    assert result["mmd2"] == 0.0 and result["p_value"] == 1.0, result
-    assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
-    assert result["n_states_run"] == result["n_states_base"] >= 6
+    # the second call finds the base's rollouts of the first cached under other settings: made again
+    for tokens in ("12", "20"):
+        drift.main([str(run), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path / "out"),
+                    "--prompts", "6", "--max-new-tokens", tokens, "--stride", "4", "--permutations", "20"])
+        result = json.loads((run / "drift.json").read_text())
+        assert result["settings"]["max_new_tokens"] == int(tokens)
+        assert result["mmd2"] == 0.0 and result["p_value"] == 1.0, result
+        assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
+        assert result["n_states_run"] == result["n_states_base"] >= 6
 
 
 def test_drift_cli_names_bad_arguments(capsys):
