@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import model as M
-from sample import draw, filter_logits, first_max_index, generate
+from sample import draw, filter_logits, find_stop, first_max_index, generate
 
 PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
            "Question: Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes.\nAnswer:"]
@@ -107,6 +107,15 @@ def test_seed_reproduces_and_shared_prefill_equals_separate_calls(loaded):
             shared = a[i * 4 + j]
             assert (shared.prompt_index, shared.sample_index) == (i, j)
             assert alone.completion_ids == shared.completion_ids
+
+
+def test_text_is_cut_at_the_earliest_of_the_stop_strings():
+    import data
+    # GSM8K's two stop strings both occur here; the blank line before "Question" comes first
+    text = "The answer is 12.\n\nQuestion: what next?"
+    assert find_stop(text, data.GSM8K_STOP) == text.index("\n\n")
+    assert find_stop(text, ("next", "answer")) == text.index("answer")
+    assert find_stop(text, ("nowhere",)) == -1 and find_stop(text, ()) == -1
 
 
 def test_stop_strings_cut_text_and_finished_rows_stay(loaded):
