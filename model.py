@@ -775,8 +775,8 @@ class HeadLogprob(torch.autograd.Function):
 class HeadKL(torch.autograd.Function):
     """Per-state KL between the next-token distributions that frozen output layers give
     student states hs (W) and teacher states ht (the teacher's, which may be W itself),
-    sliced like HeadLogprob: for each of the two
-    a running max and sum of exponentials, and the sums below, rescaled as the maxes grow.
+    sliced like HeadLogprob: for each of the two a running max and sum of exponentials,
+    and the sums below, rescaled as the maxes grow.
     With z the logits, p the distributions and lse the log-normalisers,
       reverse: KL = sum p_s (z_s - z_t) - lse_s + lse_t,
                d KL / d hs = sum_v p_s,v (z_s,v - z_t,v - KL - lse_s + lse_t) W[v];
