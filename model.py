@@ -1087,8 +1087,9 @@ def device_from_args(args):
     return device, dtype
 
 
-def model_folder(name_or_path):
-    """A local folder as it is, or a hub id downloaded (config, weights, tokenizer only)."""
+def model_folder(name_or_path, flag="--model"):
+    """A local folder as it is, or a hub id downloaded (config, weights, tokenizer only);
+    flag names the option that gave it, for the error's fix."""
     if os.path.isdir(name_or_path):
         return name_or_path
     if name_or_path.count("/") == 1 and not name_or_path.startswith((".", "/")):
@@ -1097,8 +1098,10 @@ def model_folder(name_or_path):
             return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
         except Exception as e:
             detail = " ".join(str(e).split())  # the hub's messages span several lines
-            raise InputError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {detail}); "
-                             f"download it elsewhere and pass the local folder with --model") from None
+            # 'out/stress' reads as a hub id too: a mistyped run folder ends up here
+            raise InputError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: {detail}), "
+                             f"and there is no local folder of that name; check the path, or download the model "
+                             f"elsewhere and pass its folder with {flag}") from None
     raise FileNotFoundError(f"model {name_or_path!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B-Base'")
 
 

@@ -79,7 +79,7 @@ def load_teacher(model, tok, args):
         raise M.InputError(f"teacher {args.teacher} is neither a run folder (adapter_config.json) nor a model folder (config.json)")
     if not os.path.isdir(args.teacher) and args.teacher.count("/") != 1:
         raise M.InputError(f"teacher {args.teacher} does not exist; pass a run folder such as out/stress or a model id")
-    folder = M.model_folder(args.teacher)
+    folder = M.model_folder(args.teacher, "--teacher")
     config = M.read_config(folder)
     teacher_tok = M.load_tokenizer(folder, config)  # checked before the weights are read
     # token ids pass between the two models both ways, and their logits are compared row by row

@@ -564,6 +564,13 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkey
 
     lines = run("does/not/exist", tiny_models["tied"])
     assert len(lines) == 1 and "does/not/exist does not exist" in lines[0]
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    lines = run("out/stres", tiny_models["tied"])  # a mistyped run folder reads as a hub id
+    assert len(lines) == 1 and "no local folder of that name" in lines[0] and lines[0].endswith("with --teacher"), lines
     other = tmp_path / "other"
     m, _ = M.load(tiny_models["untied"])
     lora.add_lora(m, rank=2, alpha=4)
