@@ -220,12 +220,14 @@ def featurize(model, tok, rollout_set, kind, embed="state"):
 
 
 def current(run):
-    """Whether the run folder holds a drift.json from this code's estimator."""
+    """Whether the run folder holds a drift.json from this code's estimator, of the adapter
+    it holds now (one written before drift.json recorded its adapter counts as that)."""
     path = os.path.join(run, "drift.json")
     if not os.path.isfile(path):
         return False
     with open(path) as f:
-        return json.load(f).get("estimator") == ESTIMATOR
+        result = json.load(f)
+    return result.get("estimator") == ESTIMATOR and result.get("adapter_sha256") in (None, lora.adapter_sha256(run))
 
 
 def add_drift_args(p):
@@ -282,7 +284,8 @@ def main(argv=None):
                       embed=args.embed, centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
-                      n_states_base=len(X), n_states_run=len(Y), settings=settings)
+                      n_states_base=len(X), n_states_run=len(Y), settings=settings,
+                      adapter_sha256=model.lora_config[f"run{i}"]["sha256"])
         lora.write_json(os.path.join(run, args.save_as), result)
         print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))
 

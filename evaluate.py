@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 import data
+import drift
 import lora
 import model as M
 from sample import generate
@@ -277,8 +278,20 @@ def condition(run_name):
     return re.sub(r"-seed\d+$", "", run_name)
 
 
+def current(folder):
+    """Whether the run folder holds an eval.json of the adapter it holds now. One written
+    before evaluations recorded their adapter cannot be told, and counts as current."""
+    path = os.path.join(folder, "eval.json")
+    if not os.path.isfile(path):
+        return False
+    return read_json(path).get("adapter_sha256") in (None, lora.adapter_sha256(folder))
+
+
 def collect_runs(root):
-    """name -> merged eval.json / drift.json / log summary for the base (root) and each run folder."""
+    """name -> merged eval.json / drift.json / log summary for the base (root) and each run
+    folder. A run trained further (or again) after its evaluation or drift was measured
+    stops the table, which would otherwise put the old adapter's scores beside the new
+    one's update norm and state_nll."""
     runs = {}
     if os.path.isfile(os.path.join(root, "eval.json")):
         runs["base"] = {"eval": read_json(os.path.join(root, "eval.json"))}
@@ -287,8 +300,14 @@ def collect_runs(root):
         if os.path.isfile(os.path.join(folder, "eval.json")):
             runs[name] = {"eval": read_json(os.path.join(folder, "eval.json"))}
             if os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+                if not current(folder):
+                    raise M.InputError(f"{folder}/eval.json scored an earlier adapter than the one {folder} holds now "
+                                       f"(trained since); evaluate it again: python evaluate.py {folder}")
                 runs[name]["update_norm"] = lora.update_norm(folder)
             if os.path.isfile(os.path.join(folder, "drift.json")):
+                if not drift.current(folder):
+                    raise M.InputError(f"{folder}/drift.json measured an earlier adapter than the one {folder} holds "
+                                       f"now, or came from an older estimator; measure it again: python drift.py {folder}")
                 runs[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
             log = os.path.join(folder, "log.jsonl")
             if os.path.isfile(log):
@@ -542,6 +561,8 @@ def main(argv=None):
             lora.load_adapter(model, run, name=name)
             folder = run
         results, samples = evaluate(model, tok, args)
+        if run != "base":  # which adapter these scores are of (current)
+            results["adapter_sha256"] = model.lora_config[name]["sha256"]
         if run != "base" and os.path.isfile(base_path):
             results["retention"] = retention(retention_scores(read_json(base_path)), retention_scores(results),
                                              paired_stderr(read_samples(args.out), samples, args.out))

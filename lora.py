@@ -12,6 +12,7 @@ base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), so
 peft.PeftModel.from_pretrained opens our adapters and load_adapter opens theirs.
 """
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -316,8 +317,10 @@ def assign_adapter_tensors(model, state, name, source):
 
 
 def read_adapter(folder):
-    """(adapter_config.json, tensors under PEFT's key names) of a PEFT-format adapter folder."""
-    from safetensors.torch import load_file
+    """(adapter_config.json, tensors under PEFT's key names, the weights file's sha256) of a
+    PEFT-format adapter folder. The tensors and the digest come from the same bytes, so the
+    digest names the adapter that was read even while a training run replaces the file."""
+    from safetensors.torch import load
     config_path = os.path.join(folder, "adapter_config.json")
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
@@ -326,10 +329,24 @@ def read_adapter(folder):
         cfg = json.load(f)
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
         raise InputError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
-    state = load_file(weights_path)
+    with open(weights_path, "rb") as f:
+        raw = f.read()
+    state = load(raw)
     # peft writes keys without the adapter name; other tools sometimes keep ".default"
     return cfg, {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
-                 for k, v in state.items()}
+                 for k, v in state.items()}, hashlib.sha256(raw).hexdigest()
+
+
+def adapter_sha256(folder):
+    """The sha256 of folder's adapter weights: which adapter an eval.json or drift.json
+    measured (load_adapter records it as lora_config[name]["sha256"]), so that a result of
+    an adapter trained further since is told from a result of the adapter there now; None
+    where the folder holds no adapter."""
+    path = os.path.join(folder, "adapter_model.safetensors")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def update_norm(folder):
@@ -337,7 +354,7 @@ def update_norm(folder):
     weights, the parameter-space counterpart of drift.py's state-space MMD. Per layer
     ||s B A||_F^2 = s^2 tr((B^T B)(A A^T)), two rank x rank products instead of the
     out x in matrix; in float64, as the terms of the sum span orders of magnitude."""
-    cfg, state = read_adapter(folder)
+    cfg, state, _ = read_adapter(folder)
     total = 0.0
     for key, A in state.items():
         if key.endswith(".lora_A.weight"):
@@ -351,7 +368,7 @@ def update_norm(folder):
 
 def load_adapter(model, folder, name="default", activate=True, trainable=False):
     """Open a PEFT-format adapter folder (ours or peft's) as adapter `name`."""
-    cfg, state = read_adapter(folder)
+    cfg, state, digest = read_adapter(folder)
     run = read_run_json(folder)
     if run is not None and "finished_steps" not in run:
         # a teacher or an evaluation taken from a run that is still training, or that stopped, is rarely meant
@@ -365,7 +382,7 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
         p.requires_grad_(flag)
     for p in lora_parameters(model, name):
         p.requires_grad_(trainable)
-    model.lora_config[name]["base_model_name_or_path"] = cfg.get("base_model_name_or_path")
+    model.lora_config[name].update(base_model_name_or_path=cfg.get("base_model_name_or_path"), sha256=digest)
     if activate:
         set_adapter(model, name)
     return model

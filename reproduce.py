@@ -178,7 +178,7 @@ def main(argv=None):
                 raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
                                    f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
         stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
-        stages.run(f"evaluate {name}", os.path.isfile(os.path.join(folder, "eval.json")),
+        stages.run(f"evaluate {name}", evaluate.current(folder),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
     missing = [os.path.join(out, n) for n in runs if not drift.current(os.path.join(out, n))]
     stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))

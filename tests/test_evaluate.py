@@ -346,3 +346,43 @@ def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, d
     for row in rows:  # drift, forgetting against the base, the log's state_nll and the update norm are all there
         run, gsm8k, truthfulqa, mmlu, mmd, forgetting, stderr, retention, state_nll, update_norm = row.strip("| ").split(" | ")
         assert "-" not in (mmd, forgetting, stderr, state_nll, update_norm), row  # a random base may score 0: no retention
+
+
+def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured_again(tiny_model, data_dir, tmp_path):
+    """Resuming a run for more steps rewrites its adapter; its eval.json and drift.json
+    still hold the earlier adapter's numbers, and the table would put them beside the new
+    adapter's update norm and state_nll."""
+    import hashlib
+    import re
+    import sft
+    out, common = tmp_path / "out", ["--model", tiny_model, "--data-dir", str(data_dir)]
+    run = out / "stress"
+    train = [*common, "--out", str(run), "--train-limit", "8", "--batch-size", "4", "--lr", "1e-2"]
+    flags = [*common, "--out", str(out), "--tasks", "mmlu", "--mmlu-limit", "4", "--mmlu-shots", "0", "--batch-size", "4"]
+    drift_flags = [*common, "--out", str(out), "--prompts", "2", "--max-new-tokens", "4", "--stride", "2",
+                   "--permutations", "5"]
+    sft.main([*train, "--max-steps", "1"])
+    E.main(["base", str(run), *flags])
+    drift.main([str(run), *drift_flags])
+    digest = hashlib.sha256((run / "adapter_model.safetensors").read_bytes()).hexdigest()
+    for name in ("eval.json", "drift.json"):
+        assert json.loads((run / name).read_text())["adapter_sha256"] == digest
+    assert E.current(str(run)) and drift.current(str(run))
+    E.write_table(str(out))
+
+    sft.main([*train, "--max-steps", "2", "--resume"])
+    assert not E.current(str(run)) and not drift.current(str(run))
+    with pytest.raises(M.InputError, match=re.escape(f"{run}/eval.json scored an earlier adapter than the one {run} "
+                                                     f"holds now (trained since); evaluate it again: python evaluate.py {run}")):
+        E.write_table(str(out))
+    E.main([str(run), *flags])
+    with pytest.raises(M.InputError, match=re.escape(f"{run}/drift.json measured an earlier adapter")):
+        E.write_table(str(out))
+    drift.main([str(run), *drift_flags])
+    assert E.current(str(run)) and drift.current(str(run))
+    assert "| stress |" in E.write_table(str(out))
+    # results written before they recorded their adapter cannot be told apart: taken as they are
+    for name in ("eval.json", "drift.json"):
+        result = json.loads((run / name).read_text())
+        (run / name).write_text(json.dumps({k: v for k, v in result.items() if k != "adapter_sha256"}))
+    assert E.current(str(run)) and drift.current(str(run))

@@ -1,3 +1,4 @@
+import hashlib
 import json
 import os
 import subprocess
@@ -42,11 +43,19 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     stale = json.loads((out / "stress" / "drift.json").read_text())
     del stale["estimator"]
     (out / "stress" / "drift.json").write_text(json.dumps(stale))
+    # an adapter that changed after it was evaluated (a run trained further by hand): scored and measured again
+    from safetensors.torch import load_file, save_file
+    weights = out / "mild" / "adapter_model.safetensors"
+    save_file({k: v * 2 for k, v in load_file(weights).items()}, weights)
     third = subprocess.run(cmd, capture_output=True, text=True)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == ["[running] drift"]
-    for run in ("rl", "stress"):
+    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == ["[running] evaluate mild",
+                                                                                   "[running] drift"]
+    for run in ("rl", "stress", "mild"):
         assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt"
+    digest = hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert json.loads((out / "mild" / "eval.json").read_text())["adapter_sha256"] == digest
+    assert json.loads((out / "mild" / "drift.json").read_text())["adapter_sha256"] == digest
     assert "delete a run folder" not in third.stdout
 
     # a finished run whose settings are not the preset's (here: trained before a change of --lr)
