@@ -254,7 +254,7 @@ def retention(base, post, stderr=None):
     tasks = [t for t in RETENTION_TASKS if t in base and t in post]
     # a base score of zero has no ratio: None (JSON null) rather than a NaN
     per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else None) for t in tasks}
-    out = dict(per_task=per)
+    out = dict(per_task=per, base={t: base[t] for t in tasks})  # what it was measured against (collect_runs)
     if tasks:
         out["forgetting"] = sum(per[t]["forgetting"] for t in tasks) / len(tasks)
         ratios = [per[t]["retention"] for t in tasks]
@@ -295,10 +295,19 @@ def collect_runs(root):
     runs = {}
     if os.path.isfile(os.path.join(root, "eval.json")):
         runs["base"] = {"eval": read_json(os.path.join(root, "eval.json"))}
+    base_scores = retention_scores(runs["base"]["eval"]) if runs else {}
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         folder = os.path.join(root, name)
         if os.path.isfile(os.path.join(folder, "eval.json")):
             runs[name] = {"eval": read_json(os.path.join(folder, "eval.json"))}
+            # forgetting measured against an earlier evaluation of the base (one of other questions, or another model)
+            measured_against = runs[name]["eval"].get("retention", {}).get("base", {})
+            changed = [t for t, score in measured_against.items() if t in base_scores and base_scores[t] != score]
+            if changed:
+                t = changed[0]
+                raise M.InputError(f"{folder}/eval.json measured forgetting against a base {t} score of "
+                                   f"{measured_against[t]}, but {root}/eval.json now holds {base_scores[t]}; "
+                                   f"evaluate the run again: python evaluate.py {folder} --out {root}")
             if os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
                 if not current(folder):
                     raise M.InputError(f"{folder}/eval.json scored an earlier adapter than the one {folder} holds now "

@@ -386,3 +386,10 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
         result = json.loads((run / name).read_text())
         (run / name).write_text(json.dumps({k: v for k, v in result.items() if k != "adapter_sha256"}))
     assert E.current(str(run)) and drift.current(str(run))
+    # the base evaluated again after the run (say on other questions): the run's forgetting is of the old base
+    base = json.loads((out / "eval.json").read_text())
+    assert json.loads((run / "eval.json").read_text())["retention"]["base"] == {"mmlu": base["mmlu"]["acc"]}
+    (out / "eval.json").write_text(json.dumps({**base, "mmlu": {**base["mmlu"], "acc": base["mmlu"]["acc"] + 0.25}}))
+    with pytest.raises(M.InputError, match=re.escape(f"{run}/eval.json measured forgetting against a base mmlu score "
+                                                     f"of {base['mmlu']['acc']}, but {out}/eval.json now holds")):
+        E.write_table(str(out))
