@@ -196,6 +196,37 @@ def mean_and_stderr(name, values):
 SAME_QUESTIONS = {"mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"), "truthfulqa": ("truthfulqa_limit",)}
 
 
+# and the flags that decide a table column's questions, prompts or rollouts: numbers in
+# one column are comparable only when these agree (check_comparable)
+SAME_COLUMN = {"gsm8k": ("gsm8k_limit", "gsm8k_shots", "max_new_tokens"), **SAME_QUESTIONS}
+SAME_DRIFT = ("features", "embed", "prompts", "max_new_tokens", "temperature", "stride", "seed")
+
+
+def check_comparable(runs):
+    """Stop when two rows of one table column were measured on other questions (evaluate.py's
+    flags) or other rollouts and features (drift.py's): a difference between them would
+    be the flags', not the training's. runs as collect_runs gathers them."""
+    first = {}
+
+    def same(name, column, flag, value, fix):
+        seen_name, seen_value = first.setdefault((column, flag), (name, value))
+        if value != seen_value:
+            raise M.InputError(f"{name}'s {column} was measured with --{flag.replace('_', '-')} {value}, {seen_name}'s "
+                               f"with {seen_value}; {fix} both with the same flags to put them in one table")
+
+    for name, run in runs.items():
+        settings = run["eval"].get("settings", {})
+        for task, flags in SAME_COLUMN.items():
+            for flag in flags if task in run["eval"] else ():
+                if flag in settings and not (flag == "seed" and settings.get("mmlu_limit") == 0):
+                    same(name, task, flag, settings[flag], "evaluate")
+        result = run.get("drift", {})
+        for flag in SAME_DRIFT if result else ():
+            value = result.get(flag, result.get("settings", {}).get(flag))
+            if value is not None:
+                same(name, "drift", flag, value, "measure")
+
+
 def check_same_questions(base_result, args, base_path):
     settings = base_result.get("settings", {})
     for task, flags in SAME_QUESTIONS.items():
@@ -322,6 +353,7 @@ def collect_runs(root):
             if os.path.isfile(log):
                 nll = [r["state_nll"] for r in lora.read_log(log) if r.get("state_nll") is not None]
                 runs[name]["state_nll"] = sum(nll) / len(nll) if nll else None
+    check_comparable(runs)
     rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)
     ordered = sorted(runs, key=lambda n: (rank(n), n))
     return {n: runs[n] for n in ordered}

@@ -393,3 +393,41 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
     with pytest.raises(M.InputError, match=re.escape(f"{run}/eval.json measured forgetting against a base mmlu score "
                                                      f"of {base['mmlu']['acc']}, but {out}/eval.json now holds")):
         E.write_table(str(out))
+
+
+def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
+    """GSM8K at other shots, or drift over longer rollouts, would differ by the flags alone."""
+    settings = dict(gsm8k_limit=500, gsm8k_shots=5, max_new_tokens=256, mmlu_limit=0, mmlu_shots=5,
+                    mmlu_scoring="letter", seed=1234, truthfulqa_limit=0, batch_size=16)
+    scores = {"gsm8k": {"flexible": 0.5}, "mmlu": {"acc": 0.4}, "truthfulqa": {"mc1": 0.3}}
+    drift_settings = dict(model="m", prompts=200, max_new_tokens=256, temperature=1.0, stride=16, seed=0)
+
+    def write(name, eval_settings, tasks=("gsm8k", "mmlu", "truthfulqa"), drift_result=None):
+        folder = tmp_path / name if name != "base" else tmp_path
+        folder.mkdir(exist_ok=True)
+        (folder / "eval.json").write_text(json.dumps({**{t: scores[t] for t in tasks}, "settings": eval_settings}))
+        if drift_result is not None:
+            (folder / "drift.json").write_text(json.dumps({"mmd2": 1e-5, "estimator": drift.ESTIMATOR, **drift_result}))
+
+    lexical = dict(features="lexical", embed="state", settings=drift_settings)
+    write("base", settings)
+    write("mild", dict(settings, batch_size=4), drift_result=lexical)  # a flag that changes no question
+    write("stress", dict(settings, seed=7), drift_result=lexical)  # every MMLU question whatever the seed
+    write("rl", dict(settings, gsm8k_shots=0), tasks=("mmlu", "truthfulqa"))  # it has no GSM8K score to compare
+    assert set(E.collect_runs(str(tmp_path))) == {"base", "mild", "stress", "rl"}
+
+    write("rl", dict(settings, gsm8k_shots=0))
+    with pytest.raises(M.InputError, match=r"^rl's gsm8k was measured with --gsm8k-shots 0, base's with 5; evaluate both "
+                                           r"with the same flags to put them in one table$"):
+        E.collect_runs(str(tmp_path))
+    write("rl", dict(settings, mmlu_limit=100), tasks=("mmlu",))
+    with pytest.raises(M.InputError, match=r"^rl's mmlu was measured with --mmlu-limit 100, base's with 0"):
+        E.collect_runs(str(tmp_path))
+    write("rl", settings, drift_result=dict(lexical, settings=dict(drift_settings, stride=8)))
+    with pytest.raises(M.InputError, match=r"^rl's drift was measured with --stride 8, mild's with 16; measure both"):
+        E.collect_runs(str(tmp_path))
+    write("rl", settings, drift_result=dict(lexical, features="hidden"))
+    with pytest.raises(M.InputError, match=r"^rl's drift was measured with --features hidden, mild's with lexical"):
+        E.collect_runs(str(tmp_path))
+    write("rl", settings, drift_result=dict(lexical, settings=dict(drift_settings, model="/elsewhere/m")))
+    assert "rl" in E.collect_runs(str(tmp_path))  # the base model is checked where a run is loaded, by its folder
