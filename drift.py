@@ -28,6 +28,7 @@ the prompts are the same for every model and only dilute the difference. Results
     python drift.py out/mild out/stress --model Qwen/Qwen3-0.6B-Base
 """
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -262,6 +263,12 @@ def main(argv=None):
     model, tok = M.load(args.model, args.device, args.dtype)
     prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("test", args.data_dir)[:args.prompts]]
     settings = {k: getattr(args, k) for k in ("model", "prompts", "max_new_tokens", "temperature", "stride", "seed")}
+    # the cached base rollouts serve only rollouts of the same prompts (another --data-dir has
+    # others) taken with the same numbers: another dtype or device rounds differently, and the
+    # paired estimator would count that as the run's drift
+    weight = model.lm_head.weight
+    settings.update(device=weight.device.type, dtype=str(weight.dtype).removeprefix("torch."),
+                    prompts_sha256=hashlib.sha256("\0".join(prompts).encode()).hexdigest())
 
     cache_path = os.path.join(args.out, "drift_base.json")
     base = json.load(open(cache_path)) if os.path.isfile(cache_path) else None

@@ -3,6 +3,7 @@ import math
 import statistics
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -190,12 +191,19 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
     m, _ = M.load(tiny_model)
     lora.add_lora(m, rank=2, alpha=4)
     lora.save_adapter(m, str(run), base_model=tiny_model)
-    # the second call finds the base's rollouts of the first cached under other settings: made again
-    for tokens in ("12", "20"):
-        drift.main([str(run), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path / "out"),
-                    "--prompts", "6", "--max-new-tokens", tokens, "--stride", "4", "--permutations", "20"])
+    # each call after the first finds the base's rollouts of the one before cached under other
+    # settings (the token budget, the dtype, other prompts from another data folder): made again
+    other_data = tmp_path / "other-data" / "gsm8k"
+    other_data.mkdir(parents=True)
+    test_lines = (Path(data_dir) / "gsm8k" / "test.jsonl").read_text().splitlines(keepends=True)
+    (other_data / "test.jsonl").write_text("".join(test_lines[6:12]))
+    for tokens, dtype, folder in (("12", "fp32", data_dir), ("20", "fp32", data_dir), ("20", "bf16", data_dir),
+                                  ("20", "bf16", other_data.parent)):
+        drift.main([str(run), "--model", tiny_model, "--data-dir", str(folder), "--out", str(tmp_path / "out"),
+                    "--prompts", "6", "--max-new-tokens", tokens, "--stride", "4", "--permutations", "20",
+                    "--dtype", dtype])
         result = json.loads((run / "drift.json").read_text())
-        assert result["settings"]["max_new_tokens"] == int(tokens)
+        assert result["settings"]["max_new_tokens"] == int(tokens) and result["settings"]["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
         assert result["mmd2"] == 0.0 and result["p_value"] == 1.0, result
         assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
         assert result["n_states_run"] == result["n_states_base"] >= 6
