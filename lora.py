@@ -516,6 +516,18 @@ def changed_settings(folder, args, ignore=("resume",)):
             if k not in ignore and k in before and before[k] != v]
 
 
+def teacher_changed(folder, teacher_sha256=None):
+    """Whether the run in folder was distilled from a teacher run folder whose adapter is
+    not the one there now (or, given, not teacher_sha256): run.json keeps its sha256. A
+    teacher given by model id or folder, and a run from before the sha256 was kept, have
+    nothing to compare: False."""
+    run = read_run_json(folder) or {}
+    recorded = run.get("teacher_sha256")
+    if recorded is None:
+        return False
+    return recorded != (teacher_sha256 or adapter_sha256(run["teacher"]))
+
+
 def read_run_json(folder):
     """The run's recorded arguments (run.json), or None for a folder without one."""
     path = os.path.join(folder, "run.json")
@@ -567,12 +579,20 @@ class RunFolder:
             if os.path.isfile(self.log_path):
                 os.remove(self.log_path)
             shutil.rmtree(self.snapshots, ignore_errors=True)
+        # which adapter a teacher run folder held (opd.py): a run resumed, or kept by reproduce.py,
+        # after its teacher was trained further or again would mix two teachers' signals
+        teacher = getattr(args, "teacher", None)
+        teacher_sha256 = adapter_sha256(teacher) if teacher and os.path.isdir(teacher) else None
+        if resume and teacher_changed(folder, teacher_sha256):
+            raise InputError(f"{folder} was distilled from another adapter than {teacher} holds now (trained further "
+                             f"or again since); put back the teacher it started from, or start a new run with --out")
         # a resumed run may change settings on purpose (--recompute, --grad-accum,
         # --micro-batch-tokens, --max-steps), but a changed --lr or --preset should not pass unseen
         changed = changed_settings(folder, args) if resume else []
         if changed:
             print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
-        write_json(os.path.join(folder, "run.json"), {**vars(args), "git_commit": git_commit()})
+        taught = {"teacher_sha256": teacher_sha256} if teacher else {}
+        write_json(os.path.join(folder, "run.json"), {**vars(args), **taught, "git_commit": git_commit()})
 
     def last_checkpoint(self):
         """The folder of the last whole checkpoint: checkpoint/, or checkpoint.old/ where a

@@ -173,6 +173,10 @@ def main(argv=None):
         finished = lora.run_finished(folder)
         if finished:  # it stands in the table for this preset's run only if it is one
             lora.check_same_base(folder, model)
+            if lora.teacher_changed(folder):
+                raise M.InputError(f"{folder} was distilled from an earlier adapter of its teacher than the one there now "
+                                   f"(trained again since); delete the folder to train it from the teacher there now, "
+                                   f"or pass another --out")
             changed = lora.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS)
             if changed:
                 raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "

@@ -45,17 +45,17 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     (out / "stress" / "drift.json").write_text(json.dumps(stale))
     # an adapter that changed after it was evaluated (a run trained further by hand): scored and measured again
     from safetensors.torch import load_file, save_file
-    weights = out / "mild" / "adapter_model.safetensors"
+    weights = out / "opd-logits" / "adapter_model.safetensors"
     save_file({k: v * 2 for k, v in load_file(weights).items()}, weights)
     third = subprocess.run(cmd, capture_output=True, text=True)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == ["[running] evaluate mild",
+    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == ["[running] evaluate opd-logits",
                                                                                    "[running] drift"]
-    for run in ("rl", "stress", "mild"):
+    for run in ("rl", "stress", "opd-logits"):
         assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt"
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
-    assert json.loads((out / "mild" / "eval.json").read_text())["adapter_sha256"] == digest
-    assert json.loads((out / "mild" / "drift.json").read_text())["adapter_sha256"] == digest
+    assert json.loads((out / "opd-logits" / "eval.json").read_text())["adapter_sha256"] == digest
+    assert json.loads((out / "opd-logits" / "drift.json").read_text())["adapter_sha256"] == digest
     assert "delete a run folder" not in third.stdout
 
     # a finished run whose settings are not the preset's (here: trained before a change of --lr)
@@ -65,6 +65,15 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     lines = fourth.stderr.strip().splitlines()
     assert fourth.returncode == 1 and len(lines) == 1, fourth.stderr[-3000:]
     assert f"rl was trained with other settings than the smoke preset's now (--lr 0.5 -> {settings['lr']}); delete" in lines[0]
+
+    # a teacher trained again after its students were distilled from it: they are not kept as they are
+    (out / "rl" / "run.json").write_text(json.dumps(settings))
+    weights = out / "stress" / "adapter_model.safetensors"
+    save_file({k: v * 2 for k, v in load_file(weights).items()}, weights)
+    fifth = subprocess.run(cmd, capture_output=True, text=True)
+    error = fifth.stderr.strip().splitlines()[-1]  # after the progress bars of the teacher's evaluation, made again
+    assert fifth.returncode == 1 and error.startswith("error: "), fifth.stderr[-3000:]
+    assert f"{out / 'opd-stress'} was distilled from an earlier adapter of its teacher than the one there now" in error
 
 
 def test_each_seed_trains_its_own_conditions_from_its_own_teachers():

@@ -211,6 +211,32 @@ def test_opd_student_learns_the_teachers_fixed_answer(tiny_model, data_dir, tmp_
     assert all(t == " " + answer for t in texts), texts
 
 
+def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, data_dir, tmp_path):
+    """The student's second half would learn from another teacher than its first, unseen."""
+    import hashlib
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    train_teacher = common(tiny_model, data_dir, teacher, "--train-limit", 8, "--batch-size", 4, "--lr", 1e-2)
+    sft.main([*train_teacher, "--max-steps", "1"])
+    distil = common(tiny_model, data_dir, student, "--teacher", teacher, "--prompts-per-step", 1, "--max-new-tokens", 4,
+                    "--continuation-tokens", 2, "--steps", 3, "--save-every", 1)
+    opd.main([*distil, "--max-steps", "1"])
+    recorded = json.loads((student / "run.json").read_text())["teacher_sha256"]
+    assert recorded == hashlib.sha256((teacher / "adapter_model.safetensors").read_bytes()).hexdigest()
+    assert not lora.teacher_changed(str(student))
+    opd.main([*distil, "--max-steps", "2", "--resume"])  # the same teacher: resumes
+    sft.main([*train_teacher, "--max-steps", "2", "--resume"])
+    assert lora.teacher_changed(str(student))
+    with pytest.raises(M.InputError, match=f"{student} was distilled from another adapter than {teacher} holds now"):
+        opd.main([*distil, "--resume"])
+    assert len(read_log(student)) == 2
+    # a teacher given as a model folder has no adapter to change
+    base_taught = tmp_path / "base-taught"
+    opd.main(common(tiny_model, data_dir, base_taught, "--teacher", tiny_model, "--prompts-per-step", 1,
+                    "--max-new-tokens", 4, "--continuation-tokens", 2, "--max-steps", 1))
+    assert json.loads((base_taught / "run.json").read_text())["teacher_sha256"] is None
+    assert not lora.teacher_changed(str(base_taught))
+
+
 @pytest.mark.parametrize("split", [[], ["--micro-batch-tokens", 1]])  # one pass a step, a pass a sequence
 def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_dir, tmp_path, split):
     out = tmp_path / "opd"
