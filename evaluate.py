@@ -229,6 +229,10 @@ def check_comparable(runs):
 
 def check_same_questions(base_result, args, base_path):
     settings = base_result.get("settings", {})
+    if "model" in settings and lora.same_model(settings["model"], args.model) is False:
+        raise M.InputError(f"{base_path} is the evaluation of base {settings['model']}, but --model is {args.model}; "
+                           f"forgetting compares a run with its own base: pass --model {settings['model']}, or another "
+                           f"--out for this base")
     for task, flags in SAME_QUESTIONS.items():
         if task not in base_result or task not in args.tasks.split(","):
             continue

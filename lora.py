@@ -495,17 +495,24 @@ def check_same_base(folder, model):
     trained_on = (read_run_json(folder) or {}).get("model")
     if not trained_on:
         return
-    local = os.path.isdir(trained_on), os.path.isdir(model)
-    if local == (True, True):
-        same = os.path.realpath(trained_on) == os.path.realpath(model)
-    elif local == (False, False) and not os.path.isabs(trained_on) and trained_on.count("/") == 1:
-        same = trained_on == model  # two hub ids
-    else:
+    same = same_model(trained_on, model)
+    if same is None:
         print(f"note: {folder} was trained on base {trained_on}, which cannot be compared with --model {model} "
               f"here; make sure they are the same model")
-        return
-    if not same:
+    elif not same:
         raise InputError(f"{folder} was trained on base {trained_on}, but --model is {model}; pass --model {trained_on}")
+
+
+def same_model(a, b):
+    """Whether --model a and --model b name one model: two folders by where they resolve, two
+    hub ids by name; None where that cannot be told (a folder gone since, a folder against
+    a hub id)."""
+    local = os.path.isdir(a), os.path.isdir(b)
+    if local == (True, True):
+        return os.path.realpath(a) == os.path.realpath(b)
+    if local == (False, False) and not os.path.isabs(a) and a.count("/") == 1:
+        return a == b
+    return None
 
 
 def changed_settings(folder, args, ignore=("resume",)):

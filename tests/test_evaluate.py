@@ -128,6 +128,18 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
         E.main([str(run), "--seed", "7", *flags])
     args = argparse.Namespace(tasks="mmlu,truthfulqa", **dict(settings, mmlu_limit=0, seed=7))
     E.check_same_questions({"mmlu": {}, "settings": dict(settings, mmlu_limit=0)}, args, "eval.json")  # all: any seed
+    # a base evaluation of another model in the same --out: forgetting against it would mean nothing
+    import re
+    other = tmp_path / "other-base"
+    other.mkdir()
+    (tmp_path / "eval.json").write_text(json.dumps({"mmlu": {"acc": 0.5}, "settings": dict(settings, model=str(other))}))
+    with pytest.raises(M.InputError, match=re.escape(f"eval.json is the evaluation of base {other}, but --model is "
+                                                     f"{tiny_model}; forgetting compares a run with its own base")):
+        E.main([str(run), "--mmlu-limit", "500", *flags])
+    # the same folder spelt another way is the same base: the questions are checked next
+    (tmp_path / "eval.json").write_text(json.dumps({"mmlu": {"acc": 0.5}, "settings": dict(settings, model=tiny_model + "/")}))
+    with pytest.raises(M.InputError, match="with --mmlu-limit 500, this evaluation with 8"):
+        E.main([str(run), "--mmlu-limit", "8", *flags])
 
 
 def test_table_gives_small_drift_in_significant_digits():
