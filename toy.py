@@ -282,7 +282,8 @@ def add_toy_args(p):
     p.add_argument("--pretrain-lr", type=M.number(float, 0, above=True), default=2e-3, help="peak pretraining learning rate")
     p.add_argument("--batch", type=M.number(int, 1), default=16, help="sequences per pretraining step")
     p.add_argument("--context", type=M.number(int, 2), default=256, help="pretraining sequence length")
-    p.add_argument("--vocab", type=int, default=2048, help="BPE vocabulary size")
+    p.add_argument("--vocab", type=M.number(int, 257, why="byte-level BPE starts from the 256 bytes and the end-of-text "
+                                                            "token"), default=2048, help="BPE vocabulary size")
     p.add_argument("--hidden", type=M.number(int, 2), default=256, help="hidden size")
     p.add_argument("--layers", type=M.number(int, 1), default=4, help="transformer blocks")
     p.add_argument("--heads", type=M.number(int, 2), default=4, help="attention heads (half as many key/value heads)")

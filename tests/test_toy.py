@@ -117,3 +117,16 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     args.pretrain_lr *= 2
     toy.pretrain(str(tmp_path / "other"), args)
     assert "is from other settings; pretraining starts again" in capsys.readouterr().out
+
+
+def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(capsys):
+    # below 257 the tokenizer still holds every byte and end-of-text, and ids past the
+    # model's vocabulary stopped pretraining with an IndexError from the embedding
+    import argparse
+    import pytest
+    p = argparse.ArgumentParser()
+    toy.add_toy_args(p)
+    with pytest.raises(SystemExit):
+        p.parse_args(["--vocab", "256"])
+    assert "argument --vocab: must be at least 257, got 256: byte-level BPE starts from the 256 bytes" in capsys.readouterr().err
+    assert p.parse_args(["--vocab", "257"]).vocab == 257
