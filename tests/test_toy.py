@@ -1,9 +1,12 @@
+import argparse
 import json
 import operator
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 import data
 import model as M
@@ -122,8 +125,6 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
 def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(capsys):
     # below 257 the tokenizer still holds every byte and end-of-text, and ids past the
     # model's vocabulary stopped pretraining with an IndexError from the embedding
-    import argparse
-    import pytest
     p = argparse.ArgumentParser()
     toy.add_toy_args(p)
     with pytest.raises(SystemExit):
