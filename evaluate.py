@@ -111,6 +111,9 @@ def continuation_sums(model, ids, mask, owner, conts, pad_id):
 def eval_gsm8k(model, tok, args):
     test, train = data.load_gsm8k("test", args.data_dir), data.load_gsm8k("train", args.data_dir)
     rows = test[:args.gsm8k_limit] if args.gsm8k_limit > 0 else test
+    if args.gsm8k_shots > len(train):  # slicing would give fewer shots than asked, silently
+        raise M.InputError(f"--gsm8k-shots {args.gsm8k_shots}: the train split holds {len(train)} examples; "
+                           f"pass --gsm8k-shots {len(train)} or fewer (lm-evaluation-harness uses 5)")
     shots = train[:args.gsm8k_shots]
     prompts = [data.gsm8k_prompt(r["question"], shots) for r in rows]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -524,12 +527,13 @@ def results_markdown(runs):
 
 def task_list(text):
     """An argparse type: comma-separated names from TASKS, checked before anything runs
-    (rather than after hours of the tasks named before a misspelt one)."""
+    (rather than after hours of the tasks named before a misspelt one); a task named
+    twice runs once."""
     unknown = [t for t in text.split(",") if t not in TASKS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown task {unknown[0]!r} in {text!r}; name tasks from {','.join(TASKS)}, "
                                          f"separated by commas")
-    return text
+    return ",".join(dict.fromkeys(text.split(",")))
 
 
 def add_eval_args(p):
@@ -589,6 +593,7 @@ def main(argv=None):
         return
     if not args.runs:
         p.error("name 'base' and/or run folders to evaluate, or use --table ROOT")
+    args.runs = list(dict.fromkeys(args.runs))  # a run named twice (overlapping globs) is evaluated once
     for run in args.runs:
         if run != "base":
             lora.check_run_folder(run, args.model, also=", or 'base'")

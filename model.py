@@ -1042,7 +1042,7 @@ def number(kind, minimum, above=False, below=None, why=""):
 def run_script(main, memory_fix="rerun with smaller settings"):
     """A script's entry point: main(argv) on the command line's arguments. A mistake in the
     user's input (InputError, a file that is not there) ends the run with its one-line
-    message, and so does a GPU too small for the settings, with memory_fix, the script's
+    message, and so does a GPU (or CPU) too small for the settings, with memory_fix, the script's
     flags that need less; any other exception is a bug and keeps its traceback."""
     try:
         main(sys.argv[1:])
@@ -1051,6 +1051,11 @@ def run_script(main, memory_fix="rerun with smaller settings"):
     except torch.OutOfMemoryError as e:
         first_line = (str(e).strip().splitlines() or ["out of memory"])[0]
         raise SystemExit(f"error: the GPU ran out of memory ({first_line}); {memory_fix}") from None
+    except RuntimeError as e:  # the CPU's allocator raises a plain RuntimeError
+        if "DefaultCPUAllocator: can't allocate memory" not in str(e):
+            raise
+        first_line = str(e).strip().splitlines()[0].split("DefaultCPUAllocator: ")[-1]
+        raise SystemExit(f"error: the CPU ran out of memory ({first_line}); {memory_fix}") from None
 
 
 @functools.cache

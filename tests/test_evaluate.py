@@ -443,3 +443,22 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
         E.collect_runs(str(tmp_path))
     write("rl", settings, drift_result=dict(lexical, settings=dict(drift_settings, model="/elsewhere/m")))
     assert "rl" in E.collect_runs(str(tmp_path))  # the base model is checked where a run is loaded, by its folder
+
+
+def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_are_refused(tiny_model, data_dir,
+                                                                                          tmp_path, monkeypatch):
+    assert E.task_list("gsm8k,mmlu,gsm8k") == "gsm8k,mmlu"
+    m, _ = M.load(tiny_model)
+    lora.add_lora(m, rank=2, alpha=4)
+    run = tmp_path / "stress"
+    lora.save_adapter(m, str(run), base_model=tiny_model)
+    evaluated = []
+    plain = E.evaluate
+    monkeypatch.setattr(E, "evaluate", lambda model, tok, args: evaluated.append(args.tasks) or plain(model, tok, args))
+    flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path), "--tasks", "mmlu,mmlu",
+             "--mmlu-limit", "2", "--mmlu-shots", "0"]
+    E.main([str(run), str(run), *flags])  # a second adapter named like the first stopped it with a ValueError
+    assert evaluated == ["mmlu"] and json.loads((run / "eval.json").read_text())["mmlu"]["n"] == 2
+    train_size = len(data.load_gsm8k("train", data_dir))
+    with pytest.raises(M.InputError, match=f"--gsm8k-shots {train_size + 1}: the train split holds {train_size} examples"):
+        E.main(["base", *flags[:-6], "--tasks", "gsm8k", "--gsm8k-shots", str(train_size + 1)])

@@ -1,6 +1,7 @@
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -302,6 +303,18 @@ def test_run_script_ends_input_errors_in_one_line_and_keeps_tracebacks_for_bugs(
         M.run_script(too_big, "rerun with a smaller --batch-size")
     assert e.value.code == ("error: the GPU ran out of memory (CUDA out of memory. Tried to allocate 2.00 GiB.); "
                             "rerun with a smaller --batch-size")
+
+    def too_big_for_the_cpu(argv):  # a real allocation the CPU's allocator refuses (a pebibyte)
+        torch.empty(2 ** 50, dtype=torch.uint8)
+    with pytest.raises(SystemExit) as e:
+        M.run_script(too_big_for_the_cpu, "rerun with a smaller --batch-size")
+    assert re.fullmatch(r"error: the CPU ran out of memory \(can't allocate memory: you tried to allocate "
+                        r"1125899906842624 bytes\..*\); rerun with a smaller --batch-size", e.value.code), e.value.code
+
+    def other_runtime_error(argv):
+        raise RuntimeError("shapes cannot be multiplied")
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # a bug: its traceback stays
+        M.run_script(other_runtime_error)
 
 
 def test_a_hub_id_that_cannot_be_fetched_is_a_one_line_error(monkeypatch):
