@@ -196,6 +196,8 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
         raise InputError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed' or 'graph'")
     if decode == "graph" and device.type != "cuda":
         raise InputError(f"decode='graph' needs a CUDA device, the model is on {device}; use decode='fixed' or 'auto'")
+    if not prompts:  # nothing to sample, as for an empty batch a caller filtered down
+        return []
     # packing reads the weights as folded, so it goes inside the fold
     with (lora.folded_adapter(model) if fold_adapter else contextlib.nullcontext(),
           packed_weights(model, rows=len(prompts) * n)):

@@ -243,9 +243,10 @@ def test_states_decode_overrides_the_default_loop(loaded, monkeypatch):
         [r.completion_ids for r in generate(ours, tok, PROMPTS, max_new_tokens=6, temperature=0, decode="dropping")]
 
 
-def test_an_empty_prompt_is_refused_by_name(loaded):
+def test_an_empty_prompt_is_refused_by_name_and_no_prompts_give_no_rollouts(loaded):
     ours, tok = loaded
     with pytest.raises(ValueError, match="empty prompt: every prompt needs at least one token"):
         generate(ours, tok, [PROMPTS[0], []], max_new_tokens=2)
+    assert generate(ours, tok, [], n=4, max_new_tokens=2) == []  # it stopped with max()'s ValueError
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 3\), expected \(1, 2\)"):
         ours(torch.tensor([[1, 2]]), attention_mask=torch.ones(1, 3))
