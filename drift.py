@@ -261,7 +261,11 @@ def main(argv=None):
         lora.check_run_folder(run, args.model)
     print(vars(args))
     model, tok = M.load(args.model, args.device, args.dtype)
-    prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("test", args.data_dir)[:args.prompts]]
+    test = data.load_gsm8k("test", args.data_dir)
+    if args.prompts > len(test):  # fewer prompts than asked, silently, and a --prompts in drift.json that was not so
+        raise M.InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} questions; "
+                           f"pass --prompts {len(test)} or fewer")
+    prompts = [data.gsm8k_prompt(r["question"]) for r in test[:args.prompts]]
     settings = {k: getattr(args, k) for k in ("model", "prompts", "max_new_tokens", "temperature", "stride", "seed")}
     # the cached base rollouts serve only rollouts of the same prompts (another --data-dir has
     # others) taken with the same numbers: another dtype or device rounds differently, and the

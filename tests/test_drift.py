@@ -207,6 +207,9 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
         assert result["mmd2"] == 0.0 and result["p_value"] == 1.0, result
         assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
         assert result["n_states_run"] == result["n_states_base"] >= 6
+    with pytest.raises(M.InputError, match="--prompts 7: the GSM8K test split holds 6 questions; pass --prompts 6 or fewer"):
+        drift.main([str(run), "--model", tiny_model, "--data-dir", str(other_data.parent), "--out", str(tmp_path / "out"),
+                    "--prompts", "7"])
 
 
 def test_drift_cli_names_bad_arguments(capsys):
