@@ -586,6 +586,8 @@ class RunFolder:
             if os.path.isfile(self.log_path):
                 os.remove(self.log_path)
             shutil.rmtree(self.snapshots, ignore_errors=True)
+        if resume:  # a checkpoint's adapter continued on another base of the same shapes would load without a word
+            check_same_base(folder, args.model)
         # which adapter a teacher run folder held (opd.py): a run resumed, or kept by reproduce.py,
         # after its teacher was trained further or again would mix two teachers' signals
         teacher = getattr(args, "teacher", None)

@@ -12,7 +12,7 @@ import model as M
 import opd
 import rl
 import sft
-from conftest import DEVICES, ROOT
+from conftest import DEVICES, ROOT, save_hf_model
 
 LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
 MAINS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
@@ -456,6 +456,16 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # it did train
     assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4]
+
+
+def test_a_run_resumed_on_another_base_model_stops(tiny_model, tokenizer_path, data_dir, tmp_path):
+    # the same shapes and tokenizer, other weights: the checkpoint's adapter would load without a word
+    other = save_hf_model(str(tmp_path / "other-base"), tokenizer_path, seed=1)
+    sft.main(common(tiny_model, data_dir, tmp_path / "run", *short_run("sft", tiny_model), "--max-steps", 1))
+    with pytest.raises(M.InputError, match=f"run was trained on base {tiny_model}, but --model is {other}; "
+                                           f"pass --model {tiny_model}"):
+        sft.main(common(other, data_dir, tmp_path / "run", *short_run("sft", tiny_model), "--max-steps", 2, "--resume"))
+    assert len(read_log(tmp_path / "run")) == 1
 
 
 @pytest.mark.parametrize("script,signal_name", [("sft", "SIGINT"), ("rl", "SIGTERM"), ("opd", "SIGINT")])
