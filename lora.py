@@ -11,6 +11,7 @@ Files are PEFT's format (adapter_config.json + adapter_model.safetensors with ke
 base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), so
 peft.PeftModel.from_pretrained opens our adapters and load_adapter opens theirs.
 """
+import argparse
 import contextlib
 import hashlib
 import json
@@ -595,13 +596,20 @@ class RunFolder:
         if resume and teacher_changed(folder, teacher_sha256):
             raise InputError(f"{folder} was distilled from another adapter than {teacher} holds now (trained further "
                              f"or again since); put back the teacher it started from, or start a new run with --out")
+        # the checkpoint's adapter is of its rank, and its alpha sets the scale its B A was trained under
+        reshaped = changed_settings(folder, argparse.Namespace(rank=args.rank, alpha=args.alpha)) if resume else []
+        if reshaped:
+            raise InputError(f"{folder}'s adapter was trained with other LoRA settings ({'; '.join(reshaped)}); resume "
+                             f"with its own, or start a new run with --out")
         # a resumed run may change settings on purpose (--recompute, --grad-accum,
         # --micro-batch-tokens, --max-steps), but a changed --lr or --preset should not pass unseen
         changed = changed_settings(folder, args) if resume else []
         if changed:
             print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
         taught = {"teacher_sha256": teacher_sha256} if teacher else {}
-        write_json(os.path.join(folder, "run.json"), {**vars(args), **taught, "git_commit": git_commit()})
+        self.record = {**vars(args), **taught, "git_commit": git_commit()}
+        if not resume:  # a resumed run's, once its checkpoint has loaded (resume): a failed resume leaves it as it was
+            write_json(os.path.join(folder, "run.json"), self.record)
 
     def last_checkpoint(self):
         """The folder of the last whole checkpoint: checkpoint/, or checkpoint.old/ where a
@@ -625,6 +633,7 @@ class RunFolder:
             found = re.fullmatch(r"step-(\d+)(\.tmp)?", name)
             if found and (found[2] or int(found[1]) > step):
                 shutil.rmtree(os.path.join(self.snapshots, name))
+        write_json(os.path.join(self.folder, "run.json"), self.record)
         print(f"resuming {self.folder} at step {step}")
         return step
 

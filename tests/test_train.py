@@ -458,14 +458,31 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4]
 
 
-def test_a_run_resumed_on_another_base_model_stops(tiny_model, tokenizer_path, data_dir, tmp_path):
+def test_a_resume_that_would_not_continue_the_run_stops_and_leaves_its_run_json(tiny_model, tokenizer_path, data_dir,
+                                                                                  tmp_path):
+    run = tmp_path / "run"
+    sft.main(common(tiny_model, data_dir, run, *short_run("sft", tiny_model), "--max-steps", 1))
+    recorded = (run / "run.json").read_text()
+    resume = lambda model, *extra: sft.main(common(model, data_dir, run, *short_run("sft", tiny_model), "--max-steps", 2,
+                                                   "--resume", *extra))
     # the same shapes and tokenizer, other weights: the checkpoint's adapter would load without a word
     other = save_hf_model(str(tmp_path / "other-base"), tokenizer_path, seed=1)
-    sft.main(common(tiny_model, data_dir, tmp_path / "run", *short_run("sft", tiny_model), "--max-steps", 1))
     with pytest.raises(M.InputError, match=f"run was trained on base {tiny_model}, but --model is {other}; "
                                            f"pass --model {tiny_model}"):
-        sft.main(common(other, data_dir, tmp_path / "run", *short_run("sft", tiny_model), "--max-steps", 2, "--resume"))
-    assert len(read_log(tmp_path / "run")) == 1
+        resume(other)
+    # another rank stopped with "trained on another base model"; another alpha rescaled the adapter unseen
+    with pytest.raises(M.InputError, match=r"run's adapter was trained with other LoRA settings \(--rank 16 -> 8\); "
+                                           r"resume with its own"):
+        resume(tiny_model, "--rank", 8)
+    with pytest.raises(M.InputError, match=r"other LoRA settings \(--alpha 32 -> 64.0\)"):
+        resume(tiny_model, "--alpha", 64)
+    # a checkpoint that fails to load: the settings of the resume that failed are not recorded as the run's
+    from safetensors.torch import load_file, save_file
+    weights = run / "checkpoint" / "adapter_model.safetensors"
+    save_file(dict(list(load_file(weights).items())[1:]), weights)
+    with pytest.raises(M.InputError, match="some LoRA tensors are missing"):
+        resume(tiny_model, "--lr", 0.5)
+    assert (run / "run.json").read_text() == recorded and len(read_log(run)) == 1
 
 
 @pytest.mark.parametrize("script,signal_name", [("sft", "SIGINT"), ("rl", "SIGTERM"), ("opd", "SIGINT")])
