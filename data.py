@@ -21,6 +21,7 @@ import shutil
 import tarfile
 import tempfile
 import urllib.request
+import uuid
 
 from model import InputError
 
@@ -67,8 +68,9 @@ def download(url, dest_tmp):
 
 
 def fetch_all(root, sources=SOURCES):
-    """Fetch whatever is missing. Each file goes to a temp file, is checked, then renamed,
-    so an interrupted or failed download leaves nothing half-written."""
+    """Fetch whatever is missing. Each file goes to a temp file of its own, is checked, then
+    renamed, so an interrupted or failed download leaves nothing half-written, and two
+    scripts started at once on a fresh machine each fetch without spoiling the other's."""
     os.makedirs(root, exist_ok=True)
     for rel, (url, sha) in sources.items():
         if rel == "mmlu":
@@ -79,7 +81,7 @@ def fetch_all(root, sources=SOURCES):
         if os.path.isfile(dest):
             continue
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = dest + ".part"
+        tmp = f"{dest}.part-{uuid.uuid4().hex}"  # not mkstemp's: its files are private to their owner
         try:
             download(url, tmp)
             if sha is not None:
@@ -127,7 +129,11 @@ def fetch_mmlu(root, url):
         for split in ("dev", "test"):
             if not os.path.isdir(os.path.join(work, "mmlu", split)):
                 raise DataError(f"{url}: the archive has no data/{split}/ CSV files; {HOW_TO_FIX}")
-        os.replace(os.path.join(work, "mmlu"), os.path.join(root, "mmlu"))
+        try:
+            os.replace(os.path.join(work, "mmlu"), os.path.join(root, "mmlu"))
+        except OSError:  # another process fetching at the same time put its copy there first
+            if not os.path.isdir(os.path.join(root, "mmlu", "test")):
+                raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

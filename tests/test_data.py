@@ -268,3 +268,34 @@ def test_without_a_data_folder_the_cache_is_filled_once_and_then_used(server, tm
     monkeypatch.setenv("STATES_DATA", str(given))
     assert data.resolve_data_dir(None, sources=sources) == str(given) and listing(given) == []
     assert data.resolve_data_dir(str(tmp_path / "cache"), sources=sources) == str(tmp_path / "cache")
+
+
+def test_two_fetches_at_once_both_finish_with_the_layout(server, tmp_path, monkeypatch):
+    """Two scripts started together on a fresh machine: each downloads every file, and both
+    rename into place. With one temp name per file the second found its temp file renamed
+    away by the first, and the second MMLU folder could not replace the first."""
+    root, base = server
+    sources = write_sources(root, base)
+    together = threading.Barrier(2)
+    plain = data.download
+
+    def in_step(url, tmp):  # each file downloaded by both before either moves it into place
+        plain(url, tmp)
+        together.wait(timeout=20)
+    monkeypatch.setattr(data, "download", in_step)
+    errors = []
+
+    def fetch():
+        try:
+            data.fetch_all(str(tmp_path / "cache"), sources)
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+            together.abort()
+    threads = [threading.Thread(target=fetch) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert listing(tmp_path / "cache") == ["gsm8k/test.jsonl", "gsm8k/train.jsonl", "mmlu/dev/toy_subject_dev.csv",
+                                           "mmlu/test/toy_subject_test.csv", "truthfulqa/mc_task.json"]
