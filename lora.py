@@ -579,6 +579,11 @@ class RunFolder:
         has_checkpoint = self.last_checkpoint() is not None
         if not resume and has_checkpoint:
             raise InputError(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
+        if not resume and os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+            # a finished run whose checkpoint/ was deleted to save room: starting over would overwrite its adapter
+            # and delete its snapshots
+            raise InputError(f"{folder} already holds a trained adapter (and no checkpoint to continue it from); pass "
+                             f"--out for a new folder, or delete {folder} to train it again")
         if resume and not has_checkpoint:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
         os.makedirs(folder, exist_ok=True)

@@ -442,6 +442,15 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
         main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4))
     with pytest.raises(M.InputError, match="has no checkpoint to resume from; drop --resume to start the run"):
         main(common(tiny_model, data_dir, tmp_path / "never", *extra, "--resume"))
+    import shutil
+    kept = tmp_path / "kept"  # a finished run whose checkpoint was deleted to save room: its adapter is not trained over
+    shutil.copytree(tmp_path / "cut", kept)
+    shutil.rmtree(kept / "checkpoint")
+    adapter = (kept / "adapter_model.safetensors").read_bytes()
+    with pytest.raises(M.InputError, match="kept already holds a trained adapter \\(and no checkpoint to continue it "
+                                           "from\\); pass --out for a new folder, or delete"):
+        main(common(tiny_model, data_dir, kept, *extra, "--max-steps", 1))
+    assert (kept / "adapter_model.safetensors").read_bytes() == adapter
     stale = tmp_path / "stale"  # what a run that died before its first checkpoint leaves: a log, no checkpoint
     stale.mkdir()
     (stale / "log.jsonl").write_text('{"step": 1, "loss": 99.0}\n')
