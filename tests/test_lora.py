@@ -381,7 +381,7 @@ def test_a_run_killed_anywhere_in_a_checkpoint_write_resumes_from_a_whole_checkp
     import os
     import shutil
     import safetensors.torch
-    args = argparse.Namespace(save_every=2, snapshot_every=0, seed=0)
+    args = argparse.Namespace(save_every=2, snapshot_every=0, seed=0, model=tiny_model, rank=4, alpha=8)
 
     def fresh_model():
         model, _ = M.load(tiny_model)
