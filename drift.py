@@ -220,14 +220,28 @@ def featurize(model, tok, rollout_set, kind, embed="state"):
     return hidden_features(model, states, starts=starts), prompts
 
 
-def current(run):
+# the flags that decide a drift.json's rollouts and features: two runs' drifts compare
+# only when these agree (evaluate.check_comparable)
+SAME_COLUMN = ("features", "embed", "prompts", "max_new_tokens", "temperature", "stride", "seed")
+
+
+def setting(result, flag):
+    """A drift.json's value of flag (features and embed stand beside the numbers, the rest
+    under settings); None where it has none."""
+    return result.get(flag, result.get("settings", {}).get(flag))
+
+
+def current(run, args=None):
     """Whether the run folder holds a drift.json from this code's estimator, of the adapter
-    it holds now (one written before drift.json recorded its adapter counts as that)."""
+    it holds now (one written before drift.json recorded its adapter counts as that) and,
+    given args (drift.py's flags), measured with the settings they give (SAME_COLUMN)."""
     path = os.path.join(run, "drift.json")
     if not os.path.isfile(path):
         return False
     with open(path) as f:
         result = json.load(f)
+    if args is not None and any(setting(result, flag) not in (None, getattr(args, flag)) for flag in SAME_COLUMN):
+        return False
     return result.get("estimator") == ESTIMATOR and result.get("adapter_sha256") in (None, lora.adapter_sha256(run))
 
 

@@ -202,7 +202,6 @@ SAME_QUESTIONS = {"mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"), 
 # and the flags that decide a table column's questions, prompts or rollouts: numbers in
 # one column are comparable only when these agree (check_comparable)
 SAME_COLUMN = {"gsm8k": ("gsm8k_limit", "gsm8k_shots", "max_new_tokens"), **SAME_QUESTIONS}
-SAME_DRIFT = ("features", "embed", "prompts", "max_new_tokens", "temperature", "stride", "seed")
 
 
 def check_comparable(runs):
@@ -224,8 +223,8 @@ def check_comparable(runs):
                 if flag in settings and not (flag == "seed" and settings.get("mmlu_limit") == 0):
                     same(name, task, flag, settings[flag], "evaluate")
         result = run.get("drift", {})
-        for flag in SAME_DRIFT if result else ():
-            value = result.get(flag, result.get("settings", {}).get(flag))
+        for flag in drift.SAME_COLUMN if result else ():
+            value = drift.setting(result, flag)
             if value is not None:
                 same(name, "drift", flag, value, "measure")
 
@@ -316,13 +315,23 @@ def condition(run_name):
     return re.sub(r"-seed\d+$", "", run_name)
 
 
-def current(folder):
-    """Whether the run folder holds an eval.json of the adapter it holds now. One written
-    before evaluations recorded their adapter cannot be told, and counts as current."""
+def current(folder, args=None):
+    """Whether the run folder holds an eval.json of the adapter it holds now (one written
+    before evaluations recorded their adapter cannot be told, and counts as that) and,
+    given args (evaluate.py's flags), of every task they name, on the questions they ask
+    (reproduce.py evaluates again a run evaluated by hand with other flags)."""
     path = os.path.join(folder, "eval.json")
     if not os.path.isfile(path):
         return False
-    return read_json(path).get("adapter_sha256") in (None, lora.adapter_sha256(folder))
+    result = read_json(path)
+    if result.get("adapter_sha256") not in (None, lora.adapter_sha256(folder)):
+        return False
+    settings = result.get("settings", {})
+    for task in args.tasks.split(",") if args is not None else ():
+        if task not in result or any(settings.get(flag, getattr(args, flag)) != getattr(args, flag)
+                                     for flag in SAME_COLUMN[task]):
+            return False
+    return True
 
 
 def collect_runs(root):

@@ -11,8 +11,9 @@ opd-stress and kd-stress differ in the state source alone.
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
     python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
 
-Every stage is skipped when its outputs exist, and an interrupted training run resumes from
-its last checkpoint, so a stopped study continues where it stopped. Per-stage wall time is
+Every stage is skipped when its outputs exist (an evaluation or drift only when it is of the
+adapter there now, measured with the preset's flags), and an interrupted training run resumes
+from its last checkpoint, so a stopped study continues where it stopped. Per-stage wall time is
 printed and kept in timings.json.
 
 The smoke preset runs every stage on a tiny *random-weight* Qwen3 built on the spot (no
@@ -158,8 +159,13 @@ def main(argv=None):
     common = ["--model", model, "--data-dir", data_dir]
     device = [f for k in ("device", "dtype") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
     stages = Stages(out)
+    # the preset's evaluation and drift flags: a result measured otherwise (by hand) is measured again
+    eval_flags, drift_flags = argparse.ArgumentParser(), argparse.ArgumentParser()
+    evaluate.add_eval_args(eval_flags)
+    drift.add_drift_args(drift_flags)
+    eval_flags, drift_flags = eval_flags.parse_args(preset["eval"]), drift_flags.parse_args(preset["drift"])
 
-    stages.run("evaluate base", os.path.isfile(os.path.join(out, "eval.json")),
+    stages.run("evaluate base", evaluate.current(out, eval_flags),
                lambda: evaluate.main(["base", "--out", out, *common, *device, *preset["eval"]]))
     if args.preset == "toy":
         toy.check_base(evaluate.read_json(os.path.join(out, "eval.json")))
@@ -182,9 +188,9 @@ def main(argv=None):
                 raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
                                    f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
         stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
-        stages.run(f"evaluate {name}", evaluate.current(folder),
+        stages.run(f"evaluate {name}", evaluate.current(folder, eval_flags),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
-    missing = [os.path.join(out, n) for n in runs if not drift.current(os.path.join(out, n))]
+    missing = [os.path.join(out, n) for n in runs if not drift.current(os.path.join(out, n), drift_flags)]
     stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
 
     table = evaluate.write_table(out)

@@ -427,6 +427,12 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     write("stress", dict(settings, seed=7), drift_result=lexical)  # every MMLU question whatever the seed
     write("rl", dict(settings, gsm8k_shots=0), tasks=("mmlu", "truthfulqa"))  # it has no GSM8K score to compare
     assert set(E.collect_runs(str(tmp_path))) == {"base", "mild", "stress", "rl"}
+    # what reproduce.py asks before it evaluates a run again: every task it names, on its questions
+    preset = argparse.Namespace(tasks="gsm8k,mmlu,truthfulqa", **settings)
+    assert E.current(str(tmp_path / "mild"), preset) and E.current(str(tmp_path), preset)
+    assert not E.current(str(tmp_path / "rl"), preset)  # no GSM8K score
+    assert E.current(str(tmp_path / "rl"), argparse.Namespace(**{**vars(preset), "tasks": "mmlu,truthfulqa"}))
+    assert not E.current(str(tmp_path / "stress"), argparse.Namespace(**{**vars(preset), "mmlu_limit": 100}))
 
     write("rl", dict(settings, gsm8k_shots=0))
     with pytest.raises(M.InputError, match=r"^rl's gsm8k was measured with --gsm8k-shots 0, base's with 5; evaluate both "

@@ -47,12 +47,19 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     from safetensors.torch import load_file, save_file
     weights = out / "opd-logits" / "adapter_model.safetensors"
     save_file({k: v * 2 for k, v in load_file(weights).items()}, weights)
+    # a run evaluated, and one measured, by hand with other flags than the preset's: done again as the preset does
+    by_hand = json.loads((out / "rl" / "eval.json").read_text())
+    (out / "rl" / "eval.json").write_text(json.dumps({**by_hand, "settings": {**by_hand["settings"], "gsm8k_limit": 2}}))
+    by_hand = json.loads((out / "mild" / "drift.json").read_text())
+    (out / "mild" / "drift.json").write_text(json.dumps({**by_hand, "settings": {**by_hand["settings"], "stride": 99}}))
     third = subprocess.run(cmd, capture_output=True, text=True)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == ["[running] evaluate opd-logits",
-                                                                                   "[running] drift"]
-    for run in ("rl", "stress", "opd-logits"):
+    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == [
+        "[running] evaluate opd-logits", "[running] evaluate rl", "[running] drift"]
+    for run in ("rl", "stress", "opd-logits", "mild"):
         assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt"
+    assert json.loads((out / "rl" / "eval.json").read_text())["settings"]["gsm8k_limit"] == 4
+    assert json.loads((out / "mild" / "drift.json").read_text())["settings"]["stride"] == 8
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
     assert json.loads((out / "opd-logits" / "eval.json").read_text())["adapter_sha256"] == digest
     assert json.loads((out / "opd-logits" / "drift.json").read_text())["adapter_sha256"] == digest
