@@ -73,7 +73,7 @@ def load_teacher(model, tok, args):
         except M.InputError as e:
             raise M.InputError(f"teacher {args.teacher}: {e}") from None
         return model, "teacher"
-    if os.path.normpath(args.teacher) == os.path.normpath(args.model):
+    if lora.same_model(args.teacher, args.model):  # the base itself, however spelt: no second copy
         return model, None
     if os.path.isdir(args.teacher) and not os.path.isfile(os.path.join(args.teacher, "config.json")):
         raise M.InputError(f"teacher {args.teacher} is neither a run folder (adapter_config.json) nor a model folder (config.json)")

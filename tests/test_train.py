@@ -247,6 +247,16 @@ def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_d
     assert all(t.abs().max() == 0 for k, t in adapter_tensors(out).items() if "lora_B" in k)
 
 
+def test_a_teacher_that_is_the_base_model_however_spelt_shares_the_students_copy(tiny_model, tmp_path):
+    import argparse
+    model, tok = M.load(tiny_model)
+    relative = os.path.relpath(tiny_model)
+    for spelt in (tiny_model, tiny_model + "/", relative, os.path.join(relative, ".")):
+        assert opd.load_teacher(model, tok, argparse.Namespace(teacher=spelt, model=tiny_model)) == (model, None), spelt
+    os.symlink(tiny_model, tmp_path / "linked")
+    assert opd.load_teacher(model, tok, argparse.Namespace(teacher=str(tmp_path / "linked"), model=tiny_model))[0] is model
+
+
 def test_opd_logit_kl_reads_a_separate_teachers_logits_from_its_own_output_layer(tiny_model, data_dir, tmp_path):
     # the teacher: the student's base with an output layer of its own. At the first step the
     # student is that base, so the two models' states are the same and only the output
