@@ -238,8 +238,7 @@ def current(run, args=None):
     path = os.path.join(run, "drift.json")
     if not os.path.isfile(path):
         return False
-    with open(path) as f:
-        result = json.load(f)
+    result = M.read_json(path)
     if args is not None and any(setting(result, flag) not in (None, getattr(args, flag)) for flag in SAME_COLUMN):
         return False
     return result.get("estimator") == ESTIMATOR and result.get("adapter_sha256") in (None, lora.adapter_sha256(run))
@@ -289,7 +288,10 @@ def main(argv=None):
                     prompts_sha256=hashlib.sha256("\0".join(prompts).encode()).hexdigest())
 
     cache_path = os.path.join(args.out, "drift_base.json")
-    base = json.load(open(cache_path)) if os.path.isfile(cache_path) else None
+    try:  # a cache: one damaged is made again
+        base = M.read_json(cache_path) if os.path.isfile(cache_path) else None
+    except M.InputError:
+        base = None
     if base is None or base["settings"] != settings or "prompts" not in base:
         lora.set_adapter(model, None)
         model.eval()

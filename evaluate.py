@@ -305,9 +305,7 @@ def retention(base, post, stderr=None):
     return out
 
 
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
+read_json = M.read_json
 
 
 def condition(run_name):

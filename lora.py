@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import InputError, fill_rows, linear, number
+from model import InputError, fill_rows, linear, number, read_json, read_safetensors_file
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -321,18 +321,22 @@ def read_adapter(folder):
     """(adapter_config.json, tensors under PEFT's key names, the weights file's sha256) of a
     PEFT-format adapter folder. The tensors and the digest come from the same bytes, so the
     digest names the adapter that was read even while a training run replaces the file."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
     config_path = os.path.join(folder, "adapter_config.json")
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
         raise FileNotFoundError(f"{folder}: no adapter_config.json + adapter_model.safetensors; is this a run folder?")
-    with open(config_path) as f:
-        cfg = json.load(f)
+    cfg = read_json(config_path)
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
         raise InputError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
     with open(weights_path, "rb") as f:
         raw = f.read()
-    state = load(raw)
+    try:
+        state = load(raw)
+    except SafetensorError as e:
+        raise InputError(f"{weights_path} is not a readable safetensors file ({e}); the file is damaged: restore it, "
+                         f"or train the run again") from None
     # peft writes keys without the adapter name; other tools sometimes keep ".default"
     return cfg, {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
                  for k, v in state.items()}, hashlib.sha256(raw).hexdigest()
@@ -541,8 +545,7 @@ def read_run_json(folder):
     path = os.path.join(folder, "run.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    return read_json(path)
 
 
 def read_log(path):
@@ -625,9 +628,8 @@ class RunFolder:
         """Load the last checkpoint into model and optimizer; returns the step to start at."""
         folder = self.last_checkpoint()
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
-        from safetensors.torch import load_file
         weights = os.path.join(folder, "adapter_model.safetensors")
-        assign_adapter_tensors(model, load_file(weights), name, weights)
+        assign_adapter_tensors(model, read_safetensors_file(weights), name, weights)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         if os.path.isfile(self.log_path):  # forget log lines of steps after the checkpoint

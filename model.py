@@ -1110,34 +1110,52 @@ def model_folder(name_or_path, flag="--model"):
     raise FileNotFoundError(f"model {name_or_path!r} is neither a local folder nor a hub id like 'Qwen/Qwen3-0.6B-Base'")
 
 
+def read_json(path):
+    """A JSON file's content; a damaged one (a manual edit, a download cut short) is a
+    one-line InputError naming it."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{path} is not valid JSON ({e}); the file is damaged: restore it or write it again") from None
+
+
+def read_safetensors_file(path, device="cpu"):
+    """A safetensors file's tensors; a damaged one (a download cut short, say) is a one-line
+    InputError naming it."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(path, device=str(device))
+    except SafetensorError as e:
+        raise InputError(f"{path} is not a readable safetensors file ({e}); the file is damaged: download it or "
+                         f"write it again") from None
+
+
 def read_config(folder):
     path = os.path.join(folder, "config.json")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{folder}: no config.json; point --model at a Hugging Face model folder")
-    with open(path) as f:
-        d = json.load(f)
+    d = read_json(path)
     gen_path = os.path.join(folder, "generation_config.json")
     if os.path.isfile(gen_path):
-        with open(gen_path) as f:
-            gen = json.load(f)
+        gen = read_json(gen_path)
         if gen.get("eos_token_id") is not None:
             d["eos_token_id"] = gen["eos_token_id"]
     return Qwen3Config.from_dict(d, source=path)
 
 
 def read_safetensors(folder, device):
-    from safetensors.torch import load_file
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        files = sorted(set(read_json(index)["weight_map"].values()))
     elif os.path.isfile(os.path.join(folder, "model.safetensors")):
         files = ["model.safetensors"]
     else:
         raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; the weights are missing")
     state = {}
     for name in files:
-        state.update(load_file(os.path.join(folder, name), device=str(device)))
+        state.update(read_safetensors_file(os.path.join(folder, name), device))
     return state
 
 

@@ -193,6 +193,13 @@ def test_adapters_that_are_not_plain_lora_of_this_base_are_one_line_errors(tiny_
         (damaged("dora", use_dora=True), "only plain LoRA"),
         (damaged("ia3", peft_type="IA3"), "only plain LoRA"),
     ]
+    cut_short = damaged("cut_short")
+    (tmp_path / "cut_short" / "adapter_model.safetensors").write_bytes(
+        (tmp_path / "good" / "adapter_model.safetensors").read_bytes()[:100])
+    edited = damaged("edited")
+    (tmp_path / "edited" / "adapter_config.json").write_text(json.dumps(config)[:-1])
+    cases += [(cut_short, "adapter_model.safetensors is not a readable safetensors file"),
+              (edited, "adapter_config.json is not valid JSON")]
     for folder, message in cases:
         fresh, _ = M.load(tiny_model)
         with pytest.raises(M.InputError, match=message) as e:

@@ -239,6 +239,21 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
     with pytest.raises(FileNotFoundError, match="no tokenizer.json; the model folder needs the tokenizer file too"):
         M.load(no_tokenizer)
 
+    # damaged files: a download cut short, a config edited by hand
+    cut_short = copy_model(tiny_model, tmp_path / "cut_short")
+    path = os.path.join(cut_short, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(M.InputError, match=r"cut_short/model.safetensors is not a readable safetensors file \(.*\); the "
+                                           r"file is damaged") as e:
+        M.load(cut_short)
+    assert "\n" not in str(e.value)
+    edited = copy_model(tiny_model, tmp_path / "edited")
+    with open(os.path.join(edited, "config.json"), "a") as f:
+        f.write(",")
+    with pytest.raises(M.InputError, match=r"edited/config.json is not valid JSON \(Extra data: .*\); the file is damaged"):
+        M.load(edited)
+
     no_eos = copy_model(tiny_model, tmp_path / "no_eos")
     for name in ("config.json", "generation_config.json"):
         path = os.path.join(no_eos, name)
