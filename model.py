@@ -935,7 +935,11 @@ class Tokenizer:
 
     def __init__(self, path, eos_id, pad_id=None):
         from tokenizers import Tokenizer as HFTokenizer
-        self.tok = HFTokenizer.from_file(path)
+        try:
+            self.tok = HFTokenizer.from_file(path)
+        except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+            raise InputError(f"{path} is not a readable tokenizer ({e}); the file is damaged: restore it or download "
+                             f"it again") from None
         self.eos_id = eos_id
         self.pad_id = eos_id if pad_id is None else pad_id
         self.eos_text = self.tok.id_to_token(eos_id)

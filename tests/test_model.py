@@ -253,6 +253,10 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
         f.write(",")
     with pytest.raises(M.InputError, match=r"edited/config.json is not valid JSON \(Extra data: .*\); the file is damaged"):
         M.load(edited)
+    with open(os.path.join(no_tokenizer, "tokenizer.json"), "w") as f:
+        f.write('{"version": "1.0", "model": ')
+    with pytest.raises(M.InputError, match=r"no_tokenizer/tokenizer.json is not a readable tokenizer \(.*\); the file is"):
+        M.load(no_tokenizer)
 
     no_eos = copy_model(tiny_model, tmp_path / "no_eos")
     for name in ("config.json", "generation_config.json"):
