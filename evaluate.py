@@ -317,7 +317,8 @@ def current(folder, args=None):
     """Whether the run folder holds an eval.json of the adapter it holds now (one written
     before evaluations recorded their adapter cannot be told, and counts as that) and,
     given args (evaluate.py's flags), of every task they name, on the questions they ask
-    (reproduce.py evaluates again a run evaluated by hand with other flags)."""
+    (reproduce.py evaluates again a run evaluated by hand with other flags), and of the
+    model args name, if they name one."""
     path = os.path.join(folder, "eval.json")
     if not os.path.isfile(path):
         return False
@@ -325,6 +326,9 @@ def current(folder, args=None):
     if result.get("adapter_sha256") not in (None, lora.adapter_sha256(folder)):
         return False
     settings = result.get("settings", {})
+    if args is not None and getattr(args, "model", None) and "model" in settings:
+        if lora.same_model(settings["model"], args.model) is False:  # a study folder used again for another model
+            return False
     for task in args.tasks.split(",") if args is not None else ():
         if task not in result or any(settings.get(flag, getattr(args, flag)) != getattr(args, flag)
                                      for flag in SAME_COLUMN[task]):

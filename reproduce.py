@@ -161,9 +161,11 @@ def main(argv=None):
     stages = Stages(out)
     # the preset's evaluation and drift flags: a result measured otherwise (by hand) is measured again
     eval_flags, drift_flags = argparse.ArgumentParser(), argparse.ArgumentParser()
+    M.add_model_args(eval_flags)
     evaluate.add_eval_args(eval_flags)
     drift.add_drift_args(drift_flags)
-    eval_flags, drift_flags = eval_flags.parse_args(preset["eval"]), drift_flags.parse_args(preset["drift"])
+    eval_flags = eval_flags.parse_args(["--model", model, *preset["eval"]])
+    drift_flags = drift_flags.parse_args(preset["drift"])
 
     stages.run("evaluate base", evaluate.current(out, eval_flags),
                lambda: evaluate.main(["base", "--out", out, *common, *device, *preset["eval"]]))

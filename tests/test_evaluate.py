@@ -433,6 +433,13 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     assert not E.current(str(tmp_path / "rl"), preset)  # no GSM8K score
     assert E.current(str(tmp_path / "rl"), argparse.Namespace(**{**vars(preset), "tasks": "mmlu,truthfulqa"}))
     assert not E.current(str(tmp_path / "stress"), argparse.Namespace(**{**vars(preset), "mmlu_limit": 100}))
+    # the study folder used again with another base model: its base evaluation is not that model's
+    first, second = tmp_path / "first-model", tmp_path / "second-model"
+    first.mkdir(), second.mkdir()
+    write("base", dict(settings, model=str(first)))
+    assert E.current(str(tmp_path), argparse.Namespace(**vars(preset), model=str(first) + "/"))
+    assert not E.current(str(tmp_path), argparse.Namespace(**vars(preset), model=str(second)))
+    write("base", settings)
 
     write("rl", dict(settings, gsm8k_shots=0))
     with pytest.raises(M.InputError, match=r"^rl's gsm8k was measured with --gsm8k-shots 0, base's with 5; evaluate both "
