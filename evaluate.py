@@ -356,16 +356,17 @@ def collect_runs(root):
                 t = changed[0]
                 raise M.InputError(f"{folder}/eval.json measured forgetting against a base {t} score of "
                                    f"{measured_against[t]}, but {root}/eval.json now holds {base_scores[t]}; "
-                                   f"evaluate the run again: python evaluate.py {folder} --out {root}")
+                                   f"evaluate the run again: python evaluate.py {folder} --out {root} with the base's flags")
             if os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
                 if not current(folder):
                     raise M.InputError(f"{folder}/eval.json scored an earlier adapter than the one {folder} holds now "
-                                       f"(trained since); evaluate it again: python evaluate.py {folder}")
+                                       f"(trained since); evaluate it again: python evaluate.py {folder} with the flags in its settings")
                 runs[name]["update_norm"] = lora.update_norm(folder)
             if os.path.isfile(os.path.join(folder, "drift.json")):
                 if not drift.current(folder):
                     raise M.InputError(f"{folder}/drift.json measured an earlier adapter than the one {folder} holds "
-                                       f"now, or came from an older estimator; measure it again: python drift.py {folder}")
+                                       f"now, or came from an older estimator; measure it again: python drift.py "
+                                       f"{folder} with the flags in its settings")
                 runs[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
             log = os.path.join(folder, "log.jsonl")
             if os.path.isfile(log):
