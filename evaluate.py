@@ -360,7 +360,8 @@ def collect_runs(root):
             if os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
                 if not current(folder):
                     raise M.InputError(f"{folder}/eval.json scored an earlier adapter than the one {folder} holds now "
-                                       f"(trained since); evaluate it again: python evaluate.py {folder} with the flags in its settings")
+                                       f"(trained since); evaluate it again: python evaluate.py {folder} with the flags in "
+                                       f"its settings")
                 runs[name]["update_norm"] = lora.update_norm(folder)
             if os.path.isfile(os.path.join(folder, "drift.json")):
                 if not drift.current(folder):

@@ -203,7 +203,8 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
                     "--prompts", "6", "--max-new-tokens", tokens, "--stride", "4", "--permutations", "20",
                     "--dtype", dtype])
         result = json.loads((run / "drift.json").read_text())
-        assert result["settings"]["max_new_tokens"] == int(tokens) and result["settings"]["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+        assert result["settings"]["max_new_tokens"] == int(tokens)
+        assert result["settings"]["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
         assert result["mmd2"] == 0.0 and result["p_value"] == 1.0, result
         assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
         assert result["n_states_run"] == result["n_states_base"] >= 6

@@ -384,9 +384,9 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
 
     sft.main([*train, "--max-steps", "2", "--resume"])
     assert not E.current(str(run)) and not drift.current(str(run))
-    with pytest.raises(M.InputError, match=re.escape(f"{run}/eval.json scored an earlier adapter than the one {run} "
-                                                     f"holds now (trained since); evaluate it again: python evaluate.py {run} with "
-                                                     f"the flags in its settings")):
+    stale = (f"{run}/eval.json scored an earlier adapter than the one {run} holds now (trained since); evaluate it "
+             f"again: python evaluate.py {run} with the flags in its settings")
+    with pytest.raises(M.InputError, match=re.escape(stale)):
         E.write_table(str(out))
     E.main([str(run), *flags])
     with pytest.raises(M.InputError, match=re.escape(f"{run}/drift.json measured an earlier adapter")):

@@ -343,7 +343,8 @@ def test_a_hub_id_that_cannot_be_fetched_is_a_one_line_error(monkeypatch):
         raise OSError("Cannot reach the hub.\nCheck your internet connection\n  and try again.")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(M.InputError, match=r"could not fetch 'Qwen/Qwen3-0.6B-Base' .*Cannot reach the hub. Check your "
-                                           r"internet connection and try again.*no local folder of that name.*pass its folder with --model") as e:
+                                           r"internet connection and try again.*no local folder of that name"
+                                           r".*pass its folder with --model") as e:
         M.model_folder("Qwen/Qwen3-0.6B-Base")
     assert "\n" not in str(e.value)
     with pytest.raises(M.InputError, match=r"could not fetch 'out/stres'.*pass its folder with --teacher$"):

@@ -129,5 +129,6 @@ def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(cap
     toy.add_toy_args(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--vocab", "256"])
-    assert "argument --vocab: must be at least 257, got 256: byte-level BPE starts from the 256 bytes" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "argument --vocab: must be at least 257, got 256: byte-level BPE starts from the 256 bytes" in error
     assert p.parse_args(["--vocab", "257"]).vocab == 257
