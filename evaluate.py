@@ -338,9 +338,11 @@ def current(folder, args=None):
 
 def collect_runs(root):
     """name -> merged eval.json / drift.json / log summary for the base (root) and each run
-    folder. A run trained further (or again) after its evaluation or drift was measured
-    stops the table, which would otherwise put the old adapter's scores beside the new
-    one's update norm and state_nll."""
+    folder. Numbers that do not compare stop the table with the command that fixes them: a
+    run trained further (or again) after its evaluation or drift was measured (the old
+    adapter's scores would stand beside the new one's update norm and state_nll), a run's
+    forgetting measured against other base scores than the base row's, and two rows of
+    one column measured with other flags (check_comparable)."""
     runs = {}
     if os.path.isfile(os.path.join(root, "eval.json")):
         runs["base"] = {"eval": read_json(os.path.join(root, "eval.json"))}
