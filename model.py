@@ -13,6 +13,7 @@ forward passes compute what the plain operations compute; tests hold their gradi
 autograd's, and the whole LoRA training pass to transformers + peft (tests/test_lora.py).
 """
 import argparse
+import errno
 import functools
 import json
 import os
@@ -1046,8 +1047,9 @@ def number(kind, minimum, above=False, below=None, why=""):
 def run_script(main, memory_fix="rerun with smaller settings"):
     """A script's entry point: main(argv) on the command line's arguments. A mistake in the
     user's input (InputError, a file that is not there) ends the run with its one-line
-    message, and so does a GPU (or CPU) too small for the settings, with memory_fix, the script's
-    flags that need less; any other exception is a bug and keeps its traceback."""
+    message, and so do a GPU (or CPU) too small for the settings, with memory_fix, the
+    script's flags that need less, a full disk and a file or folder without permission; any
+    other exception is a bug and keeps its traceback."""
     try:
         main(sys.argv[1:])
     except (InputError, FileNotFoundError) as e:
@@ -1055,6 +1057,14 @@ def run_script(main, memory_fix="rerun with smaller settings"):
     except torch.OutOfMemoryError as e:
         first_line = (str(e).strip().splitlines() or ["out of memory"])[0]
         raise SystemExit(f"error: the GPU ran out of memory ({first_line}); {memory_fix}") from None
+    except OSError as e:  # a full disk (training scripts say more: lora.RunFolder.end_step), a folder not ours
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SystemExit(f"error: could not write {e.filename or 'a file'} ({e.strerror}); make room, then run it "
+                             f"again") from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise SystemExit(f"error: {e.filename or 'a file'}: {e.strerror}; check its permissions, or pass a folder "
+                             f"you can write to") from None
+        raise
     except RuntimeError as e:  # the CPU's allocator raises a plain RuntimeError
         if "DefaultCPUAllocator: can't allocate memory" not in str(e):
             raise

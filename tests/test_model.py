@@ -1,4 +1,5 @@
 import argparse
+import errno
 import json
 import os
 import re
@@ -329,6 +330,25 @@ def test_run_script_ends_input_errors_in_one_line_and_keeps_tracebacks_for_bugs(
         M.run_script(too_big_for_the_cpu, "rerun with a smaller --batch-size")
     assert re.fullmatch(r"error: the CPU ran out of memory \(can't allocate memory: you tried to allocate "
                         r"1125899906842624 bytes\..*\); rerun with a smaller --batch-size", e.value.code), e.value.code
+
+    def disk_full(argv):  # what an evaluation's or drift's write meets on a full disk
+        raise OSError(errno.ENOSPC, "No space left on device", "out/stress/eval.json.tmp42")
+    with pytest.raises(SystemExit) as e:
+        M.run_script(disk_full)
+    assert e.value.code == ("error: could not write out/stress/eval.json.tmp42 (No space left on device); make room, "
+                            "then run it again")
+
+    def not_ours(argv):  # --out in a folder the user cannot write to
+        raise PermissionError(errno.EACCES, "Permission denied", "/shared/out/stress")
+    with pytest.raises(SystemExit) as e:
+        M.run_script(not_ours)
+    assert e.value.code == ("error: /shared/out/stress: Permission denied; check its permissions, or pass a folder you "
+                            "can write to")
+
+    def broken_disk(argv):
+        raise OSError(errno.EIO, "Input/output error", "out/stress/eval.json")
+    with pytest.raises(OSError, match="Input/output error"):  # neither: its traceback stays
+        M.run_script(broken_disk)
 
     def other_runtime_error(argv):
         raise RuntimeError("shapes cannot be multiplied")
