@@ -612,6 +612,9 @@ def main(argv=None):
     for run in args.runs:
         if run != "base":
             lora.check_run_folder(run, args.model, also=", or 'base'")
+    if "base" in args.runs and os.path.isfile(os.path.join(args.out, "adapter_config.json")):
+        raise M.InputError(f"--out {args.out} is a run folder: the base's eval.json would replace the run's; pass the "
+                           f"folder that holds the runs (out, say)")
     base_path = os.path.join(args.out, "eval.json")
     if args.runs[0] != "base" and os.path.isfile(base_path):  # else the base is evaluated anew, with these flags
         check_same_questions(read_json(base_path), args, base_path)

@@ -473,6 +473,10 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
              "--mmlu-limit", "2", "--mmlu-shots", "0"]
     E.main([str(run), str(run), *flags])  # a second adapter named like the first stopped it with a ValueError
     assert evaluated == ["mmlu"] and json.loads((run / "eval.json").read_text())["mmlu"]["n"] == 2
+    before = (run / "eval.json").read_text()
+    with pytest.raises(M.InputError, match=f"--out {run} is a run folder: the base's eval.json would replace the run's"):
+        E.main(["base", *flags[:4], "--out", str(run), *flags[6:]])
+    assert (run / "eval.json").read_text() == before
     train_size = len(data.load_gsm8k("train", data_dir))
     with pytest.raises(M.InputError, match=f"--gsm8k-shots {train_size + 1}: the train split holds {train_size} examples"):
         E.main(["base", *flags[:-6], "--tasks", "gsm8k", "--gsm8k-shots", str(train_size + 1)])
