@@ -579,6 +579,8 @@ class RunFolder:
         self.save_every, self.snapshot_every = args.save_every, args.snapshot_every
         self.ckpt = os.path.join(folder, "checkpoint")
         self.log_path = os.path.join(folder, "log.jsonl")
+        if os.path.isfile(os.path.join(folder, "config.json")):  # the run's files would go in among the model's
+            raise InputError(f"--out {folder} is a model folder (config.json); pass a folder of its own for the run")
         has_checkpoint = self.last_checkpoint() is not None
         if not resume and has_checkpoint:
             raise InputError(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")

@@ -452,6 +452,9 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
         main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4))
     with pytest.raises(M.InputError, match="has no checkpoint to resume from; drop --resume to start the run"):
         main(common(tiny_model, data_dir, tmp_path / "never", *extra, "--resume"))
+    with pytest.raises(M.InputError, match=f"--out {tiny_model} is a model folder \\(config.json\\); pass a folder of"):
+        main(common(tiny_model, data_dir, tiny_model, *extra, "--max-steps", 1))
+    assert not os.path.isfile(os.path.join(tiny_model, "run.json"))
     import shutil
     kept = tmp_path / "kept"  # a finished run whose checkpoint was deleted to save room: its adapter is not trained over
     shutil.copytree(tmp_path / "cut", kept)
