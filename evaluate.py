@@ -619,6 +619,9 @@ def main(argv=None):
     if args.runs[0] != "base" and os.path.isfile(base_path):  # else the base is evaluated anew, with these flags
         check_same_questions(read_json(base_path), args, base_path)
     print(vars(args))
+    if "base" not in args.runs and not os.path.isfile(base_path):
+        print(f"note: no base evaluation in {args.out} ({base_path}), so no forgetting or retention for these runs; "
+              f"evaluate 'base' there first, or pass the --out that holds it")
     model, tok = M.load(args.model, args.device, args.dtype)
     for run in args.runs:
         if run == "base":

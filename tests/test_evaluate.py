@@ -460,7 +460,8 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
 
 
 def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_are_refused(tiny_model, data_dir,
-                                                                                          tmp_path, monkeypatch):
+                                                                                          tmp_path, monkeypatch,
+                                                                                          capsys):
     assert E.task_list("gsm8k,mmlu,gsm8k") == "gsm8k,mmlu"
     m, _ = M.load(tiny_model)
     lora.add_lora(m, rank=2, alpha=4)
@@ -473,6 +474,9 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
              "--mmlu-limit", "2", "--mmlu-shots", "0"]
     E.main([str(run), str(run), *flags])  # a second adapter named like the first stopped it with a ValueError
     assert evaluated == ["mmlu"] and json.loads((run / "eval.json").read_text())["mmlu"]["n"] == 2
+    # no base evaluation in --out: said, not left to a table of dashes
+    assert f"note: no base evaluation in {tmp_path} ({tmp_path}/eval.json), so no forgetting" in capsys.readouterr().out
+    assert "retention" not in json.loads((run / "eval.json").read_text())
     before = (run / "eval.json").read_text()
     with pytest.raises(M.InputError, match=f"--out {run} is a run folder: the base's eval.json would replace the run's"):
         E.main(["base", *flags[:4], "--out", str(run), *flags[6:]])
