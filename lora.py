@@ -321,8 +321,6 @@ def read_adapter(folder):
     """(adapter_config.json, tensors under PEFT's key names, the weights file's sha256) of a
     PEFT-format adapter folder. The tensors and the digest come from the same bytes, so the
     digest names the adapter that was read even while a training run replaces the file."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
     config_path = os.path.join(folder, "adapter_config.json")
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
@@ -332,11 +330,7 @@ def read_adapter(folder):
         raise InputError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
     with open(weights_path, "rb") as f:
         raw = f.read()
-    try:
-        state = load(raw)
-    except SafetensorError as e:
-        raise InputError(f"{weights_path} is not a readable safetensors file ({e}); the file is damaged: restore it, "
-                         f"or train the run again") from None
+    state = read_safetensors_file(weights_path, raw=raw)
     # peft writes keys without the adapter name; other tools sometimes keep ".default"
     return cfg, {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
                  for k, v in state.items()}, hashlib.sha256(raw).hexdigest()

@@ -1134,13 +1134,14 @@ def read_json(path):
             raise InputError(f"{path} is not valid JSON ({e}); the file is damaged: restore it or write it again") from None
 
 
-def read_safetensors_file(path, device="cpu"):
-    """A safetensors file's tensors; a damaged one (a download cut short, say) is a one-line
-    InputError naming it."""
+def read_safetensors_file(path, device="cpu", raw=None):
+    """A safetensors file's tensors, from raw, its bytes, where the caller has read them
+    already (lora.read_adapter hashes them); a damaged file (a download cut short, say) is a
+    one-line InputError naming it."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load, load_file
     try:
-        return load_file(path, device=str(device))
+        return load_file(path, device=str(device)) if raw is None else load(raw)
     except SafetensorError as e:
         raise InputError(f"{path} is not a readable safetensors file ({e}); the file is damaged: download it or "
                          f"write it again") from None
