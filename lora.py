@@ -587,29 +587,31 @@ class RunFolder:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
         os.makedirs(folder, exist_ok=True)
         self.snapshots = os.path.join(folder, "snapshots")
-        if not resume:  # what a run that died before its first checkpoint left
-            if os.path.isfile(self.log_path):
-                os.remove(self.log_path)
-            shutil.rmtree(self.snapshots, ignore_errors=True)
-        if resume:  # a checkpoint's adapter continued on another base of the same shapes would load without a word
-            check_same_base(folder, args.model)
         # which adapter a teacher run folder held (opd.py): a run resumed, or kept by reproduce.py,
         # after its teacher was trained further or again would mix two teachers' signals
         teacher = getattr(args, "teacher", None)
         teacher_sha256 = adapter_sha256(teacher) if teacher and os.path.isdir(teacher) else None
-        if resume and teacher_changed(folder, teacher_sha256):
-            raise InputError(f"{folder} was distilled from another adapter than {teacher} holds now (trained further "
-                             f"or again since); put back the teacher it started from, or start a new run with --out")
-        # the checkpoint's adapter is of its rank, and its alpha sets the scale its B A was trained under
-        reshaped = changed_settings(folder, argparse.Namespace(rank=args.rank, alpha=args.alpha)) if resume else []
-        if reshaped:
-            raise InputError(f"{folder}'s adapter was trained with other LoRA settings ({'; '.join(reshaped)}); resume "
-                             f"with its own, or start a new run with --out")
-        # a resumed run may change settings on purpose (--recompute, --grad-accum,
-        # --micro-batch-tokens, --max-steps), but a changed --lr or --preset should not pass unseen
-        changed = changed_settings(folder, args) if resume else []
-        if changed:
-            print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
+        if resume:  # refused: what would not continue the same run; named: what changes on purpose
+            # a checkpoint's adapter continued on another base of the same shapes would load without a word
+            check_same_base(folder, args.model)
+            if teacher_changed(folder, teacher_sha256):
+                raise InputError(f"{folder} was distilled from another adapter than {teacher} holds now (trained "
+                                 f"further or again since); put back the teacher it started from, or start a new run "
+                                 f"with --out")
+            # the checkpoint's adapter is of its rank, and its alpha sets the scale its B A was trained under
+            reshaped = changed_settings(folder, argparse.Namespace(rank=args.rank, alpha=args.alpha))
+            if reshaped:
+                raise InputError(f"{folder}'s adapter was trained with other LoRA settings ({'; '.join(reshaped)}); "
+                                 f"resume with its own, or start a new run with --out")
+            # --recompute, --grad-accum, --micro-batch-tokens or --max-steps may change on purpose, but a
+            # changed --lr or --preset should not pass unseen
+            changed = changed_settings(folder, args)
+            if changed:
+                print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
+        else:  # what a run that died before its first checkpoint left
+            if os.path.isfile(self.log_path):
+                os.remove(self.log_path)
+            shutil.rmtree(self.snapshots, ignore_errors=True)
         taught = {"teacher_sha256": teacher_sha256} if teacher else {}
         self.record = {**vars(args), **taught, "git_commit": git_commit()}
         if not resume:  # a resumed run's, once its checkpoint has loaded (resume): a failed resume leaves it as it was
