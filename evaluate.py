@@ -204,6 +204,12 @@ SAME_QUESTIONS = {"mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"), 
 SAME_COLUMN = {"gsm8k": ("gsm8k_limit", "gsm8k_shots", "max_new_tokens"), **SAME_QUESTIONS}
 
 
+def deciding_flags(task, settings):
+    """The flags of SAME_COLUMN[task] that decide its questions under settings (an
+    eval.json's): with --mmlu-limit 0 every MMLU question is asked, whichever the seed."""
+    return [flag for flag in SAME_COLUMN[task] if not (flag == "seed" and settings.get("mmlu_limit") == 0)]
+
+
 def check_comparable(runs):
     """Stop when two rows of one table column were measured on other questions (evaluate.py's
     flags) or other rollouts and features (drift.py's): a difference between them would
@@ -218,9 +224,9 @@ def check_comparable(runs):
 
     for name, run in runs.items():
         settings = run["eval"].get("settings", {})
-        for task, flags in SAME_COLUMN.items():
-            for flag in flags if task in run["eval"] else ():
-                if flag in settings and not (flag == "seed" and settings.get("mmlu_limit") == 0):
+        for task in SAME_COLUMN:
+            for flag in deciding_flags(task, settings) if task in run["eval"] else ():
+                if flag in settings:
                     same(name, task, flag, settings[flag], "evaluate")
         result = run.get("drift", {})
         for flag in drift.SAME_COLUMN if result else ():
@@ -235,12 +241,10 @@ def check_same_questions(base_result, args, base_path):
         raise M.InputError(f"{base_path} is the evaluation of base {settings['model']}, but --model is {args.model}; "
                            f"forgetting compares a run with its own base: pass --model {settings['model']}, or another "
                            f"--out for this base")
-    for task, flags in SAME_QUESTIONS.items():
+    for task in SAME_QUESTIONS:
         if task not in base_result or task not in args.tasks.split(","):
             continue
-        for flag in flags:
-            if flag == "seed" and settings.get("mmlu_limit") == 0:
-                continue  # every question, whichever the seed
+        for flag in deciding_flags(task, settings):
             if flag in settings and settings[flag] != getattr(args, flag):
                 option = "--" + flag.replace("_", "-")
                 raise M.InputError(f"{base_path} scored {task} with {option} {settings[flag]}, this evaluation with "
