@@ -22,6 +22,10 @@ import shutil
 import signal
 import sys
 import threading
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
 
 import torch
 import torch.nn as nn
@@ -394,6 +398,64 @@ def write_json(path, obj):
     write_atomic(path, lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"))
 
 
+HELD = {}  # real path -> its open .lock file, for the folders this process holds (hold)
+
+
+def hold(folder):
+    """Hold folder for this process, or stop with one line if another process holds it: two
+    runs writing one folder would interleave their logs and overwrite each other's
+    checkpoints. The lock is the operating system's (flock on folder/.lock), so it ends with
+    the process however that ends, and a killed run leaves none behind. Asking again for a
+    folder this process holds does nothing: it is the same work going on (a stage of
+    reproduce.py in its --out, a run resumed in the same process)."""
+    key = os.path.realpath(folder)
+    if key in HELD:
+        return
+    os.makedirs(folder, exist_ok=True)
+    if fcntl is None:  # Windows has no flock: nothing is held there
+        return
+    lock = open(os.path.join(folder, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "unknown"
+        lock.close()
+        raise InputError(f"{folder} is in use by another process (pid {holder}); wait for it to end, or pass "
+                         f"another --out") from None
+    except OSError as e:  # a file system without locks (some network and FUSE mounts)
+        lock.close()
+        print(f"note: cannot lock {folder} ({e.strerror or e}); run one script at a time in it")
+        return
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    HELD[key] = lock
+
+
+def held_elsewhere(folder):
+    """The pid of another process that holds folder (hold), else None: a run still training
+    there, whose adapter a reader would catch half way."""
+    path = os.path.join(folder, ".lock")
+    if fcntl is None or os.path.realpath(folder) in HELD or not os.path.isfile(path):
+        return None
+    with open(path) as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken only if no process holds it; closing ends it
+        except BlockingIOError:
+            return lock.read().strip() or "unknown"
+        except OSError:  # a file system without locks: hold took none either
+            return None
+    return None
+
+
+def let_go(folder):
+    """End this process's hold on folder (hold)."""
+    lock = HELD.pop(os.path.realpath(folder), None)
+    if lock is not None:
+        lock.close()  # closing the file ends its flock
+
+
 def git_commit():
     import subprocess
     try:
@@ -476,11 +538,15 @@ MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recom
 
 
 def check_run_folder(folder, model, also=""):
-    """Stop unless folder holds a run's adapter trained on the base model (check_same_base);
-    also names what else the caller accepts in place of a run folder."""
+    """Stop unless folder holds a run's adapter trained on the base model (check_same_base)
+    and no other process is training it still; also names what else the caller accepts in
+    place of a run folder."""
     if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
         raise InputError(f"{folder} is not a run folder (no adapter_config.json); name a folder written by sft.py, "
                          f"rl.py or opd.py{also}")
+    holder = held_elsewhere(folder)
+    if holder:
+        raise InputError(f"{folder} is still being trained by another process (pid {holder}); wait for that run to finish")
     check_same_base(folder, model)
 
 
@@ -575,6 +641,8 @@ class RunFolder:
         self.log_path = os.path.join(folder, "log.jsonl")
         if os.path.isfile(os.path.join(folder, "config.json")):  # the run's files would go in among the model's
             raise InputError(f"--out {folder} is a model folder (config.json); pass a folder of its own for the run")
+        if os.path.isdir(folder):  # before reading what it holds: another run may be writing it
+            hold(folder)
         has_checkpoint = self.last_checkpoint() is not None
         if not resume and has_checkpoint:
             raise InputError(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
@@ -585,7 +653,7 @@ class RunFolder:
                              f"--out for a new folder, or delete {folder} to train it again")
         if resume and not has_checkpoint:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
-        os.makedirs(folder, exist_ok=True)
+        hold(folder)  # until finish, or the end of this process
         self.snapshots = os.path.join(folder, "snapshots")
         # which adapter a teacher run folder held (opd.py): a run resumed, or kept by reproduce.py,
         # after its teacher was trained further or again would mix two teachers' signals
@@ -717,6 +785,7 @@ class RunFolder:
         for during the last step (stop_between_steps) ends the program here, once the run
         is complete, rather than being forgotten with the loop."""
         write_json(os.path.join(self.folder, "run.json"), {**read_run_json(self.folder), "finished_steps": step})
+        let_go(self.folder)
         if self.stop_requested is not None:
             raise SystemExit(f"stopped by {self.stop_requested} at the run's last step; {self.folder} is complete")
 

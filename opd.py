@@ -67,7 +67,7 @@ def load_teacher(model, tok, args):
     """Adapter 'teacher' on the shared base, or None when the teacher is the base itself.
     A different model id gets its own copy (it must share the tokenizer)."""
     if os.path.isdir(args.teacher) and os.path.isfile(os.path.join(args.teacher, "adapter_config.json")):
-        lora.check_same_base(args.teacher, args.model)
+        lora.check_run_folder(args.teacher, args.model)
         try:
             lora.load_adapter(model, args.teacher, name="teacher", activate=False)
         except M.InputError as e:

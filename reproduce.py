@@ -141,7 +141,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
-    os.makedirs(out, exist_ok=True)
+    lora.hold(out)  # a second reproduce.py in the same folder would train the same runs at once
     print(vars(args))
     if args.preset == "paper" and M.resolve_device(args.device)[0].type == "cpu":
         print("note: the paper preset on a CPU takes days (2 to 4 hours is the estimate for one GPU); "

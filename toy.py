@@ -193,6 +193,7 @@ def pretrain(out, args):
     go to base-model/pretrain-checkpoint.pt, from which a second call with the same
     arguments carries on to the same weights as an uninterrupted pretraining."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
+    lora.hold(out)  # two pretrainings into one folder would overwrite each other's checkpoints
     if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         return data_dir, model_dir
     checkpoint_path = os.path.join(model_dir, "pretrain-checkpoint.pt")

@@ -38,6 +38,16 @@ TINY_CONFIGS = {
 }
 
 
+def hold_in_another_process(folder):
+    """A process that holds folder (lora.hold) until it is killed."""
+    import subprocess
+    code = "import sys; sys.path.insert(0, sys.argv[1]); import lora; lora.hold(sys.argv[2]); print('held', flush=True); " \
+           "sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", code, ROOT, folder], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    assert holder.stdout.readline() == "held\n"
+    return holder
+
 def gsm8k_texts(limit=1500):
     import data
     rows = data.load_gsm8k("train", DATA_DIR)[:limit]

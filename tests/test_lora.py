@@ -5,7 +5,7 @@ import torch
 
 import lora
 import model as M
-from conftest import DEVICES
+from conftest import DEVICES, hold_in_another_process
 
 
 def randomize_adapter(model, name, seed):
@@ -441,3 +441,29 @@ def test_a_run_killed_anywhere_in_a_checkpoint_write_resumes_from_a_whole_checkp
             break
     else:
         pytest.fail("the checkpoint write never finished")
+
+
+def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_path, monkeypatch):
+    """Two runs writing one folder would interleave their logs and overwrite each other's
+    checkpoints, so the second stops, naming the first's pid; a killed holder leaves no lock
+    behind, and a finished run lets the folder go."""
+    import os
+    args = argparse.Namespace(save_every=2, snapshot_every=0, seed=0, model="m", rank=4, alpha=8)
+    folder = str(tmp_path / "run")
+    holder = hold_in_another_process(folder)
+    try:
+        with pytest.raises(M.InputError, match=rf"^{folder} is in use by another process \(pid {holder.pid}\); wait"):
+            lora.RunFolder(folder, args, resume=False)
+        assert not os.path.exists(os.path.join(folder, "run.json"))  # and touched nothing
+    finally:
+        holder.kill()
+        holder.wait()
+    run = lora.RunFolder(folder, args, resume=False)  # SIGKILL ended the hold with the process
+    lora.RunFolder(folder, args, resume=False)  # this process holds it already: the same run going on
+    run.finish(0)
+    holder = hold_in_another_process(folder)  # finished, the run let the folder go
+    holder.kill()
+    holder.wait()
+    monkeypatch.setattr(lora, "fcntl", None)  # as on Windows: no lock, but the folder is made all the same
+    lora.hold(str(tmp_path / "unlocked"))
+    assert os.listdir(tmp_path / "unlocked") == [] and os.path.realpath(tmp_path / "unlocked") not in lora.HELD

@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from conftest import ROOT, hold_in_another_process
 
 RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "rl"]
 
@@ -82,6 +82,20 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     assert fifth.returncode == 1 and error.startswith("error: "), fifth.stderr[-3000:]
     assert f"{out / 'opd-stress'} was distilled from an earlier adapter of its teacher than the one there now" in error
 
+
+def test_a_second_study_in_a_folder_in_use_stops_before_it_runs_a_stage(data_dir, tmp_path):
+    out = tmp_path / "study"
+    holder = hold_in_another_process(str(out))  # as a first reproduce.py, still running
+    try:
+        cmd = [sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--data-dir", data_dir,
+               "--out", str(out)]
+        second = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert second.returncode == 1 and second.stderr.strip().splitlines() == [
+        f"error: {out} is in use by another process (pid {holder.pid}); wait for it to end, or pass another --out"]
+    assert os.listdir(out) == [".lock"]
 
 def test_each_seed_trains_its_own_conditions_from_its_own_teachers():
     import reproduce

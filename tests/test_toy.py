@@ -11,7 +11,7 @@ import pytest
 import data
 import model as M
 import toy
-from conftest import ROOT
+from conftest import ROOT, hold_in_another_process
 
 
 def world_files(folder):
@@ -121,6 +121,19 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     toy.pretrain(str(tmp_path / "other"), args)
     assert "is from other settings; pretraining starts again" in capsys.readouterr().out
 
+
+def test_a_pretraining_folder_in_use_by_another_process_is_refused(tmp_path):
+    # two pretrainings into one folder would overwrite each other's checkpoints
+    p = argparse.ArgumentParser()
+    toy.add_toy_args(p)
+    holder = hold_in_another_process(str(tmp_path / "busy"))
+    try:
+        with pytest.raises(M.InputError, match=rf"busy is in use by another process \(pid {holder.pid}\)"):
+            toy.pretrain(str(tmp_path / "busy"), p.parse_args([]))
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.listdir(tmp_path / "busy") == [".lock"]
 
 def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(capsys):
     # below 257 the tokenizer still holds every byte and end-of-text, and ids past the

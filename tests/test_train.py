@@ -12,7 +12,7 @@ import model as M
 import opd
 import rl
 import sft
-from conftest import DEVICES, ROOT, save_hf_model
+from conftest import DEVICES, ROOT, hold_in_another_process, save_hf_model
 
 LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
 MAINS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
@@ -236,6 +236,29 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     assert json.loads((base_taught / "run.json").read_text())["teacher_sha256"] is None
     assert not lora.teacher_changed(str(base_taught))
 
+
+def test_a_run_still_training_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measured(tiny_model, data_dir, tmp_path):
+    """Its adapter changes under the reader: a student would learn from two teachers, an
+    evaluation or a drift would score one adapter of many, half way through the run."""
+    import drift
+    import evaluate
+    teacher = tmp_path / "teacher"
+    sft.main(common(tiny_model, data_dir, teacher, "--train-limit", 4, "--batch-size", 4, "--max-steps", 1))
+    holder = hold_in_another_process(str(teacher))  # as sft.py --resume would, training it further
+    still = rf"^{teacher} is still being trained by another process \(pid {holder.pid}\); wait for that run to finish$"
+    try:
+        with pytest.raises(M.InputError, match=still):
+            opd.main(common(tiny_model, data_dir, tmp_path / "student", "--teacher", teacher, "--max-steps", 1))
+        assert not (tmp_path / "student").exists()
+        with pytest.raises(M.InputError, match=still):
+            evaluate.main([str(teacher), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)])
+        with pytest.raises(M.InputError, match=still):
+            drift.main([str(teacher), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)])
+        assert not (teacher / "eval.json").exists() and not (teacher / "drift.json").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lora.held_elsewhere(str(teacher)) is None
 
 @pytest.mark.parametrize("split", [[], ["--micro-batch-tokens", 1]])  # one pass a step, a pass a sequence
 def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_dir, tmp_path, split):
