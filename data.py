@@ -52,7 +52,9 @@ def resolve_data_dir(data_dir=None, fetch=True, sources=SOURCES):
     given = data_dir or os.environ.get("STATES_DATA")
     if given:
         if not os.path.isdir(given):
-            raise DataError(f"data folder {given} does not exist; pass --data-dir pointing at the dataset files")
+            fix = ("pass --data-dir pointing at the dataset files" if data_dir else
+                   "point $STATES_DATA at the dataset files, or unset it to fetch them into ~/.cache/states")
+            raise DataError(f"data folder {given} does not exist; {fix}")
         return given
     if fetch:
         fetch_all(CACHE, sources)

@@ -707,6 +707,12 @@ def test_a_missing_model_or_data_folder_is_one_line_from_a_script(tiny_model, da
                            capture_output=True, text=True)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    # a folder named by $STATES_DATA is that variable's to fix
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), "--model", tiny_model, "--out", str(tmp_path / "env")],
+                       capture_output=True, text=True, env={**os.environ, "STATES_DATA": str(tmp_path / "gone")})
+    assert r.returncode == 1 and r.stderr.strip().splitlines() == [
+        f"error: data folder {tmp_path / 'gone'} does not exist; point $STATES_DATA at the dataset files, or unset it "
+        f"to fetch them into ~/.cache/states"], r.stderr
 
 
 @pytest.mark.parametrize("script,argv,message", [
