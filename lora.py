@@ -639,8 +639,21 @@ class RunFolder:
         self.save_every, self.snapshot_every = args.save_every, args.snapshot_every
         self.ckpt = os.path.join(folder, "checkpoint")
         self.log_path = os.path.join(folder, "log.jsonl")
+        self.snapshots = os.path.join(folder, "snapshots")
         if os.path.isfile(os.path.join(folder, "config.json")):  # the run's files would go in among the model's
             raise InputError(f"--out {folder} is a model folder (config.json); pass a folder of its own for the run")
+        held_before = os.path.realpath(folder) in HELD
+        try:
+            self.begin(args, resume)
+        except BaseException:  # a refused start lets the folder go, also where the process lives on (a notebook)
+            if not held_before:
+                let_go(folder)
+            raise
+
+    def begin(self, args, resume):
+        """Hold the folder, check that what it holds allows this start (a fresh run, or a
+        resume that continues the same run) and write run.json for a fresh one."""
+        folder = self.folder
         if os.path.isdir(folder):  # before reading what it holds: another run may be writing it
             hold(folder)
         has_checkpoint = self.last_checkpoint() is not None
@@ -653,8 +666,7 @@ class RunFolder:
                              f"--out for a new folder, or delete {folder} to train it again")
         if resume and not has_checkpoint:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
-        hold(folder)  # until finish, or the end of this process
-        self.snapshots = os.path.join(folder, "snapshots")
+        hold(folder)  # until finish, a failure in the training loop, or the end of this process
         # which adapter a teacher run folder held (opd.py): a run resumed, or kept by reproduce.py,
         # after its teacher was trained further or again would mix two teachers' signals
         teacher = getattr(args, "teacher", None)
@@ -729,11 +741,8 @@ class RunFolder:
         then writes its checkpoint and ends the run, so nothing trained is lost (a step cut
         in two would leave the weights half updated, so none is). A second Ctrl-C (or
         SIGTERM) stops at once, as usual, back at the last checkpoint. The handlers that
-        were there before come back on the way out."""
-        if threading.current_thread() is not threading.main_thread():  # only there can a handler be set
-            yield
-            return
-
+        were there before come back on the way out, and a loop that ends in an exception
+        lets the folder go (hold), also where the process lives on, as a notebook's does."""
         def request_stop(signum, frame):
             if self.stop_requested:  # the second signal, of either kind
                 raise KeyboardInterrupt
@@ -741,9 +750,14 @@ class RunFolder:
             print(f"\n{self.stop_requested}: {self.folder} stops after this step with a checkpoint of it; "
                   f"Ctrl-C again to stop now, back at the last checkpoint", file=sys.stderr, flush=True)
 
-        previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
+        previous = {}
+        if threading.current_thread() is threading.main_thread():  # only there can a handler be set
+            previous = {s: signal.signal(s, request_stop) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             yield
+        except BaseException:  # a stop, a NaN or an error: what is written stays, and the folder is free again
+            let_go(self.folder)
+            raise
         finally:
             for s, handler in previous.items():
                 if handler is not None:  # None: set outside Python, and Python cannot set it back

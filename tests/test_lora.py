@@ -445,11 +445,18 @@ def test_a_run_killed_anywhere_in_a_checkpoint_write_resumes_from_a_whole_checkp
 
 def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_path, monkeypatch):
     """Two runs writing one folder would interleave their logs and overwrite each other's
-    checkpoints, so the second stops, naming the first's pid; a killed holder leaves no lock
-    behind, and a finished run lets the folder go."""
+    checkpoints, so the second stops, naming the first's pid. A killed holder leaves no
+    lock behind, and a finished run, a refused start and a training loop ended by an error
+    let the folder go, also in a process that lives on (a notebook)."""
     import os
     args = argparse.Namespace(save_every=2, snapshot_every=0, seed=0, model="m", rank=4, alpha=8)
     folder = str(tmp_path / "run")
+
+    def another_process_can_take_it():
+        holder = hold_in_another_process(folder)  # fails its readline if it cannot
+        holder.kill()
+        holder.wait()
+
     holder = hold_in_another_process(folder)
     try:
         with pytest.raises(M.InputError, match=rf"^{folder} is in use by another process \(pid {holder.pid}\); wait"):
@@ -461,9 +468,14 @@ def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_p
     run = lora.RunFolder(folder, args, resume=False)  # SIGKILL ended the hold with the process
     lora.RunFolder(folder, args, resume=False)  # this process holds it already: the same run going on
     run.finish(0)
-    holder = hold_in_another_process(folder)  # finished, the run let the folder go
-    holder.kill()
-    holder.wait()
+    another_process_can_take_it()
+    with pytest.raises(M.InputError, match="has no checkpoint to resume from"):
+        lora.RunFolder(folder, args, resume=True)
+    another_process_can_take_it()
+    run = lora.RunFolder(folder, args, resume=False)
+    with pytest.raises(RuntimeError), run.stop_between_steps():
+        raise RuntimeError("out of memory")
+    another_process_can_take_it()
     monkeypatch.setattr(lora, "fcntl", None)  # as on Windows: no lock, but the folder is made all the same
     lora.hold(str(tmp_path / "unlocked"))
     assert os.listdir(tmp_path / "unlocked") == [] and os.path.realpath(tmp_path / "unlocked") not in lora.HELD
