@@ -433,6 +433,19 @@ def hold(folder):
     HELD[key] = lock
 
 
+@contextlib.contextmanager
+def holding(folder):
+    """hold(folder) for a with block, let go at its end however it ends, unless this
+    process held the folder before the block."""
+    took = os.path.realpath(folder) not in HELD
+    hold(folder)
+    try:
+        yield
+    finally:
+        if took:
+            let_go(folder)
+
+
 def held_elsewhere(folder):
     """The pid of another process that holds folder (hold), else None: a run still training
     there, whose adapter a reader would catch half way."""

@@ -141,7 +141,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
-    lora.hold(out)  # a second reproduce.py in the same folder would train the same runs at once
+    with lora.holding(out):  # a second reproduce.py in the same folder would train the same runs at once
+        study(args, preset, out)
+
+
+def study(args, preset, out):
+    """Every stage of the preset in out, each skipped when its outputs are there (main)."""
     print(vars(args))
     if args.preset == "paper" and M.resolve_device(args.device)[0].type == "cpu":
         print("note: the paper preset on a CPU takes days (2 to 4 hours is the estimate for one GPU); "

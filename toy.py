@@ -192,8 +192,13 @@ def pretrain(out, args):
     Every PRETRAIN_SAVE_EVERY steps the model, the optimizer and the batch sampler's state
     go to base-model/pretrain-checkpoint.pt, from which a second call with the same
     arguments carries on to the same weights as an uninterrupted pretraining."""
+    with lora.holding(out):  # two pretrainings into one folder would overwrite each other's checkpoints
+        return build_world_and_base(out, args)
+
+
+def build_world_and_base(out, args):
+    """pretrain's work, in a folder it holds."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
-    lora.hold(out)  # two pretrainings into one folder would overwrite each other's checkpoints
     if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
         return data_dir, model_dir
     checkpoint_path = os.path.join(model_dir, "pretrain-checkpoint.pt")

@@ -476,6 +476,18 @@ def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_p
     with pytest.raises(RuntimeError), run.stop_between_steps():
         raise RuntimeError("out of memory")
     another_process_can_take_it()
+    # reproduce.py's and toy.py's hold on their --out: for the block, however it ends
+    with pytest.raises(RuntimeError), lora.holding(folder):
+        with pytest.raises(AssertionError):
+            another_process_can_take_it()
+        raise RuntimeError("a stage failed")
+    another_process_can_take_it()
+    lora.hold(folder)
+    with lora.holding(folder):  # held before the block: still held after it
+        pass
+    with pytest.raises(AssertionError):
+        another_process_can_take_it()
+    lora.let_go(folder)
     monkeypatch.setattr(lora, "fcntl", None)  # as on Windows: no lock, but the folder is made all the same
     lora.hold(str(tmp_path / "unlocked"))
     assert os.listdir(tmp_path / "unlocked") == [] and os.path.realpath(tmp_path / "unlocked") not in lora.HELD
