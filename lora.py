@@ -398,7 +398,7 @@ def write_json(path, obj):
     write_atomic(path, lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"))
 
 
-HELD = {}  # real path -> its open .lock file, for the folders this process holds (hold)
+HELD = {}  # real path -> its open .lock file (None where it could take none), for the folders this process holds
 
 
 def hold(folder):
@@ -426,6 +426,7 @@ def hold(folder):
     except OSError as e:  # a file system without locks (some network and FUSE mounts)
         lock.close()
         print(f"note: cannot lock {folder} ({e.strerror or e}); run one script at a time in it")
+        HELD[key] = None  # said once: this process goes on without a lock
         return
     lock.truncate(0)
     lock.write(f"{os.getpid()}\n")

@@ -443,7 +443,7 @@ def test_a_run_killed_anywhere_in_a_checkpoint_write_resumes_from_a_whole_checkp
         pytest.fail("the checkpoint write never finished")
 
 
-def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_path, monkeypatch):
+def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_path, monkeypatch, capsys):
     """Two runs writing one folder would interleave their logs and overwrite each other's
     checkpoints, so the second stops, naming the first's pid. A killed holder leaves no
     lock behind, and a finished run, a refused start and a training loop ended by an error
@@ -488,6 +488,17 @@ def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_p
     with pytest.raises(AssertionError):
         another_process_can_take_it()
     lora.let_go(folder)
+    import errno
+    import fcntl
+
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)  # a mount without locks: one note, and the run goes on
+    os.makedirs(tmp_path / "lockless")  # a folder there already: RunFolder holds it before and after its checks
+    run = lora.RunFolder(str(tmp_path / "lockless"), args, resume=False)
+    assert capsys.readouterr().out.count("note: cannot lock") == 1
+    run.finish(0)
     monkeypatch.setattr(lora, "fcntl", None)  # as on Windows: no lock, but the folder is made all the same
     lora.hold(str(tmp_path / "unlocked"))
     assert os.listdir(tmp_path / "unlocked") == [] and os.path.realpath(tmp_path / "unlocked") not in lora.HELD
