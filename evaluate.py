@@ -626,24 +626,27 @@ def main(argv=None):
     if "base" not in args.runs and not os.path.isfile(base_path):
         print(f"note: no base evaluation in {args.out} ({base_path}), so no forgetting or retention for these runs; "
               f"evaluate 'base' there first, or pass the --out that holds it")
-    model, tok = M.load(args.model, args.device, args.dtype)
-    for run in args.runs:
-        if run == "base":
-            lora.set_adapter(model, None)
-            folder = args.out
-        else:
-            name = f"run{args.runs.index(run)}"
-            lora.load_adapter(model, run, name=name)
-            folder = run
-        results, samples = evaluate(model, tok, args)
-        if run != "base":  # which adapter these scores are of (current)
-            results["adapter_sha256"] = model.lora_config[name]["sha256"]
-        if run != "base" and os.path.isfile(base_path):
-            results["retention"] = retention(retention_scores(read_json(base_path)), retention_scores(results),
-                                             paired_stderr(read_samples(args.out), samples, args.out))
-        results["settings"] = {k: v for k, v in vars(args).items() if k not in ("runs", "table")}
-        write_eval(folder, results, samples)
-        print(f"{run}: " + json.dumps({k: v for k, v in results.items() if k != "settings"}))
+    # held while evaluated: a second evaluation would mix its eval.json with this one's samples,
+    # and a run resumed meanwhile would leave these scores of an adapter it no longer holds
+    with lora.holding(*[args.out if run == "base" else run for run in args.runs], instead=""):
+        model, tok = M.load(args.model, args.device, args.dtype)
+        for run in args.runs:
+            if run == "base":
+                lora.set_adapter(model, None)
+                folder = args.out
+            else:
+                name = f"run{args.runs.index(run)}"
+                lora.load_adapter(model, run, name=name)
+                folder = run
+            results, samples = evaluate(model, tok, args)
+            if run != "base":  # which adapter these scores are of (current)
+                results["adapter_sha256"] = model.lora_config[name]["sha256"]
+            if run != "base" and os.path.isfile(base_path):
+                results["retention"] = retention(retention_scores(read_json(base_path)), retention_scores(results),
+                                                 paired_stderr(read_samples(args.out), samples, args.out))
+            results["settings"] = {k: v for k, v in vars(args).items() if k not in ("runs", "table")}
+            write_eval(folder, results, samples)
+            print(f"{run}: " + json.dumps({k: v for k, v in results.items() if k != "settings"}))
 
 
 if __name__ == "__main__":

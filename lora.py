@@ -401,7 +401,7 @@ def write_json(path, obj):
 HELD = {}  # real path -> its open .lock file (None where it could take none), for the folders this process holds
 
 
-def hold(folder):
+def hold(folder, instead=", or pass another --out"):
     """Hold folder for this process, or stop with one line if another process holds it: two
     runs writing one folder would interleave their logs and overwrite each other's
     checkpoints. The lock is the operating system's (flock on folder/.lock), so it ends with
@@ -421,8 +421,7 @@ def hold(folder):
         lock.seek(0)
         holder = lock.read().strip() or "unknown"
         lock.close()
-        raise InputError(f"{folder} is in use by another process (pid {holder}); wait for it to end, or pass "
-                         f"another --out") from None
+        raise InputError(f"{folder} is in use by another process (pid {holder}); wait for it to end{instead}") from None
     except OSError as e:  # a file system without locks (some network and FUSE mounts)
         lock.close()
         print(f"note: cannot lock {folder} ({e.strerror or e}); run one script at a time in it")
@@ -435,21 +434,22 @@ def hold(folder):
 
 
 @contextlib.contextmanager
-def holding(folder):
-    """hold(folder) for a with block, let go at its end however it ends, unless this
-    process held the folder before the block."""
-    took = os.path.realpath(folder) not in HELD
-    hold(folder)
+def holding(*folders, instead=", or pass another --out"):
+    """hold each folder for a with block, and let go at its end however it ends of those
+    this process did not hold before the block."""
+    took = [f for f in folders if os.path.realpath(f) not in HELD]
     try:
+        for folder in folders:
+            hold(folder, instead)
         yield
     finally:
-        if took:
+        for folder in took:
             let_go(folder)
 
 
 def held_elsewhere(folder):
     """The pid of another process that holds folder (hold), else None: a run still training
-    there, whose adapter a reader would catch half way."""
+    there, whose adapter a reader would catch half way, or an evaluation writing it."""
     path = os.path.join(folder, ".lock")
     if fcntl is None or os.path.realpath(folder) in HELD or not os.path.isfile(path):
         return None
@@ -553,14 +553,15 @@ MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recom
 
 def check_run_folder(folder, model, also=""):
     """Stop unless folder holds a run's adapter trained on the base model (check_same_base)
-    and no other process is training it still; also names what else the caller accepts in
+    and no other process is training or evaluating it; also names what else the caller accepts in
     place of a run folder."""
     if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
         raise InputError(f"{folder} is not a run folder (no adapter_config.json); name a folder written by sft.py, "
                          f"rl.py or opd.py{also}")
     holder = held_elsewhere(folder)
     if holder:
-        raise InputError(f"{folder} is still being trained by another process (pid {holder}); wait for that run to finish")
+        raise InputError(f"{folder} is in use by another process (pid {holder}), which trains or evaluates it; wait "
+                         f"for it to end")
     check_same_base(folder, model)
 
 

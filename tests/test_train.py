@@ -237,7 +237,7 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     assert not lora.teacher_changed(str(base_taught))
 
 
-def test_a_run_still_training_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measured(tiny_model, data_dir, tmp_path):
+def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measured(tiny_model, data_dir, tmp_path):
     """Its adapter changes under the reader: a student would learn from two teachers, an
     evaluation or a drift would score one adapter of many, half way through the run."""
     import drift
@@ -245,7 +245,7 @@ def test_a_run_still_training_elsewhere_is_not_read_as_a_teacher_nor_evaluated_n
     teacher = tmp_path / "teacher"
     sft.main(common(tiny_model, data_dir, teacher, "--train-limit", 4, "--batch-size", 4, "--max-steps", 1))
     holder = hold_in_another_process(str(teacher))  # as sft.py --resume would, training it further
-    still = rf"^{teacher} is still being trained by another process \(pid {holder.pid}\); wait for that run to finish$"
+    still = rf"^{teacher} is in use by another process \(pid {holder.pid}\), which trains or evaluates it; wait for it to end$"
     try:
         with pytest.raises(M.InputError, match=still):
             opd.main(common(tiny_model, data_dir, tmp_path / "student", "--teacher", teacher, "--max-steps", 1))
@@ -259,6 +259,21 @@ def test_a_run_still_training_elsewhere_is_not_read_as_a_teacher_nor_evaluated_n
         holder.kill()
         holder.wait()
     assert lora.held_elsewhere(str(teacher)) is None
+    # an evaluation holds what it writes: the base's --out and each run, for as long as it runs
+    holder = hold_in_another_process(str(tmp_path / "out"))
+    try:
+        with pytest.raises(M.InputError, match=rf"^{tmp_path / 'out'} is in use by another process \(pid {holder.pid}\); "
+                                               rf"wait for it to end$"):
+            evaluate.main(["base", "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path / "out")])
+    finally:
+        holder.kill()
+        holder.wait()
+    evaluate.main([str(teacher), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path / "out"),
+                   "--gsm8k-limit", "2", "--max-new-tokens", "4", "--mmlu-limit", "2", "--truthfulqa-limit", "2"])
+    assert (teacher / "eval.json").exists()
+    holder = hold_in_another_process(str(teacher))  # let go once written
+    holder.kill()
+    holder.wait()
 
 @pytest.mark.parametrize("split", [[], ["--micro-batch-tokens", 1]])  # one pass a step, a pass a sequence
 def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_dir, tmp_path, split):
