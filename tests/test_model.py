@@ -1,4 +1,5 @@
 import argparse
+import copy
 import errno
 import json
 import os
@@ -82,6 +83,33 @@ def test_kv_cache_and_left_padding(tiny_models, name):
         step = ours(nxt, attention_mask=mask2, cache=cache)
         ref_b = ours(torch.tensor([b + [9]]))[0, -1]
         assert (step[1, -1] - ref_b).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("amx", [False, True], ids=["fp32-cache", "bf16-cache"])
+def test_bf16_decoding_over_the_cache_is_as_close_to_fp32_as_the_full_pass(tiny_model, monkeypatch, amx):
+    # bf16 on a CPU without AMX keeps the cache in fp32 and attends over it in fp32 (kv_cache_dtype)
+    monkeypatch.setattr(M, "cpu_has_amx", lambda: amx)
+    ours, tok = M.load(tiny_model, dtype="bf16")
+    exact = copy.deepcopy(ours).float()  # the same bf16 weights, computed in fp32
+    a, b = two_sequences(tok)
+    ids, mask = M.left_pad([a, b], tok.pad_id)
+    new = torch.tensor([[7, 11, 13, 17], [9, 10, 12, 14]])
+    with torch.no_grad():
+        cache = ours.new_cache(2, ids.shape[1] + new.shape[1])
+        assert cache.k[0].dtype == cache.v[0].dtype == (torch.bfloat16 if amx else torch.float32)
+        steps = [ours(ids, attention_mask=mask, cache=cache)]
+        for i in range(new.shape[1]):
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+            steps.append(ours(new[:, i:i + 1], attention_mask=mask, cache=cache))
+        cached = torch.cat(steps, 1)
+        full = ours(torch.cat([ids, new], 1), attention_mask=mask)
+        reference = exact(torch.cat([ids, new], 1), attention_mask=mask)
+    assert cached.dtype == full.dtype == torch.bfloat16
+    real = mask.bool()
+    error, full_error = ((x.float() - reference)[real].abs().max() for x in (cached, full))
+    # a few bf16 roundings of logits of this size, as the plain pass has; a position or
+    # conversion gone wrong would be off by the logits' own size
+    assert error <= max(2 * full_error, 2 ** -6 * reference.abs().max()), (error, full_error)
 
 
 def test_token_logprobs_equal_log_softmax(tiny_model):

@@ -64,10 +64,13 @@ def test_folded_adapter_samples_what_the_adapter_samples(tiny_model):
     assert all(layer.merged is None for layer in lora.lora_layers(ours).values())
 
 
+@pytest.mark.parametrize("amx", [False, True], ids=["fp32-cache", "bf16-cache"])
 def test_bf16_sampling_on_the_cpu_packs_the_folded_weights_and_scores_what_the_adapter_scores(tiny_model,
                                                                                                packed_products,
-                                                                                               bf16_packing):
+                                                                                               bf16_packing,
+                                                                                               monkeypatch, amx):
     import lora
+    monkeypatch.setattr(M, "cpu_has_amx", lambda: amx)  # without AMX the KV cache is fp32 (kv_cache_dtype)
     ours, tok = M.load(tiny_model, dtype="bf16")
     lora.add_lora(ours, rank=4, alpha=8)
     g = torch.Generator().manual_seed(0)
