@@ -2,6 +2,7 @@ import pytest
 import torch
 
 import model as M
+import sample
 from sample import draw, filter_logits, find_stop, first_max_index, generate
 
 PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
@@ -231,6 +232,35 @@ def test_fixed_shape_decode_equals_dropping_finished_rows(tiny_model, loaded, mo
     if mode == "fixed":
         with pytest.raises(ValueError, match="needs a CUDA device"):
             generate(ours, tok, PROMPTS, max_new_tokens=2, decode="graph")
+
+
+def test_decode_steps_reusing_the_prefills_logits_memory_equal_fresh_logits(tiny_model, bf16_packing, monkeypatch):
+    # packed bf16 logits are converted into the prefill's fp32 logits, first rows once rows
+    # dropped out; draw writes into one scratch buffer (and never into the logits)
+    ours, tok = M.load(tiny_model, dtype="bf16")
+    free = generate(ours, tok, PROMPTS, n=2, max_new_tokens=16, seed=5)
+    stop = (next(r for r in free if len(r.text) > 8).text[4:7],)
+    reused = generate(ours, tok, PROMPTS, n=2, max_new_tokens=16, seed=5, stop=stop)
+    plain_logits, plain_draw = ours.next_token_logits, sample.draw
+    given = []
+    monkeypatch.setattr(ours, "next_token_logits", lambda hidden, out=None: given.append(out) or plain_logits(hidden))
+    monkeypatch.setattr(sample, "draw", lambda *args, scratch=None: plain_draw(*args))
+    fresh = generate(ours, tok, PROMPTS, n=2, max_new_tokens=16, seed=5, stop=stop)
+    assert {r.finish_reason for r in reused} >= {"stop", "length"}  # rows dropped out on the way
+    assert len({len(o) for o in given if o is not None}) > 1  # fewer rows of the memory once they did
+    for a, b in zip(reused, fresh):
+        assert (a.completion_ids, a.logprobs, a.finish_reason) == (b.completion_ids, b.logprobs, b.finish_reason)
+
+
+def test_draw_into_a_scratch_buffer_draws_what_a_new_one_draws_and_leaves_the_logits():
+    g = torch.Generator().manual_seed(0)
+    logits, uniforms = torch.randn(6, 50, generator=g) * 3, torch.rand(6, generator=g)
+    kept = logits.clone()
+    for temperature, top_k, top_p in ((0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 0.9)):
+        new = draw(logits, temperature, top_k, top_p, uniforms)
+        reused = draw(logits, temperature, top_k, top_p, uniforms, scratch=torch.full_like(logits, float("nan")))
+        assert all(torch.equal(a, b) for a, b in zip(new, reused)), (temperature, top_k, top_p)
+        assert torch.equal(logits, kept)
 
 
 def test_states_decode_overrides_the_default_loop(loaded, monkeypatch):
