@@ -658,7 +658,9 @@ class Qwen3(nn.Module):
         head = self.packed.get("head")
         if runs_packed(head, (self.lm_head,)):
             logits = head(hidden[:, -1])[0]
-            return logits if logits.dtype == torch.float32 else logits.float() if out is None else out.copy_(logits)
+            if out is None or logits.dtype == torch.float32:  # fp32 packed logits need no conversion
+                return logits.float()
+            return out.copy_(logits)
         return linear(hidden[:, -1:], self.lm_head.weight, self.lm_head.bias, dtype=torch.float32)[:, -1]
 
     def new_cache(self, batch_size, max_len):
