@@ -91,7 +91,7 @@ def continuation_sums(model, ids, mask, owner, conts, pad_id):
     left-padded batch (ids, mask): the contexts run once, their KV cache copied to the rows."""
     device = ids.device
     L = max(len(c) for c in conts)
-    cache = model.new_cache(len(ids), ids.shape[1] + L)
+    cache = model.new_cache(len(ids), ids.shape[1] + L, rows=len(owner))
     last = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]  # (B, hidden)
     cache.select_rows(owner)
     # continuations right-padded: padding after the real tokens never influences them

@@ -138,6 +138,7 @@ class FixedShapeDecoder:
         self.positions = mask.sum(-1, keepdim=True) - 1  # advanced before each step
         self.key_mask = torch.zeros(R, 1, 1, cache.max_len, dtype=torch.bool, device=device)
         self.key_mask[:, 0, 0, :P] = mask.bool()
+        cache.zero_unwritten()  # read, masked, at every step
         cache.write_pos = torch.full((1,), P - 1, dtype=torch.long, device=device)  # advanced before each step
         self.use_graph, self.graph, self.logits = use_graph, None, None
 
@@ -216,7 +217,7 @@ def _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, 
     ids, mask = left_pad(prompt_ids, tokenizer.pad_id, device)
     B, P = ids.shape
 
-    cache = model.new_cache(B, P + max_new_tokens)
+    cache = model.new_cache(B, P + max_new_tokens, rows=B * n)
     logits = model.next_token_logits(model(ids, attention_mask=mask, cache=cache, hidden_only=True))
     if n > 1:
         cache.select_rows(torch.arange(B, device=device).repeat_interleave(n))
@@ -268,8 +269,12 @@ def _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, 
             logits = decoder(next_tok)
             continue
         if len(keep) < len(in_batch):
-            index = torch.tensor(keep, device=device)
-            in_batch = [in_batch[row] for row in keep]
+            # the last rows kept fill the places of the rows left out, so that only they
+            # move in the cache (KVCache.select_rows), not every row after the first left out
+            later = [row for row in keep if row >= len(keep)]
+            kept = set(keep)
+            index = torch.tensor([row if row in kept else later.pop() for row in range(len(keep))], device=device)
+            in_batch = [in_batch[row] for row in index.tolist()]
             next_tok, mask = next_tok[index], mask[index]
             cache.select_rows(index)
         mask = torch.cat([mask, mask.new_ones(len(in_batch), 1)], dim=1)

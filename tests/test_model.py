@@ -85,6 +85,28 @@ def test_kv_cache_and_left_padding(tiny_models, name):
         assert (step[1, -1] - ref_b).abs().max() < 1e-4
 
 
+@pytest.mark.parametrize("batch, index, in_place", [
+    (3, [0, 0, 1, 1, 2, 2], True),  # repeating prompts for their samples: from the last row back
+    (6, [0, 5, 2, 4], True),  # rows 1 and 3 left out, their places taken by the last rows kept
+    (6, [1, 3, 4], True),  # rows left out, the rest kept in order: from the first row on
+    (6, [2, 1, 0], False),  # rows 0 and 2 swapped: either order overwrites one before reading it
+    (3, [0, 0, 0, 1, 1, 1, 2], False),  # more rows than the memory holds
+])
+def test_select_rows_gives_each_row_its_source_rows_written_positions(batch, index, in_place):
+    config = argparse.Namespace(num_hidden_layers=2, num_key_value_heads=2, head_dim=4)
+    cache = M.KVCache(config, batch, max_len=9, device="cpu", dtype=torch.float32, rows=6)
+    g = torch.Generator().manual_seed(0)
+    for layer in range(2):
+        cache.update(layer, torch.randn(batch, 2, 5, 4, generator=g), torch.randn(batch, 2, 5, 4, generator=g))
+    cache.length = 5
+    expected = [t[:, :, :5].index_select(0, torch.tensor(index)) for t in cache.k + cache.v]
+    memory = cache.k_memory[0].data_ptr()
+    cache.select_rows(torch.tensor(index))
+    assert all(t.shape == (len(index), 2, 9, 4) for t in cache.k + cache.v)
+    assert all(torch.equal(t[:, :, :5], e) for t, e in zip(cache.k + cache.v, expected))
+    assert (cache.k_memory[0].data_ptr() == memory) == in_place
+
+
 @pytest.mark.parametrize("amx", [False, True], ids=["fp32-cache", "bf16-cache"])
 def test_bf16_decoding_over_the_cache_is_as_close_to_fp32_as_the_full_pass(tiny_model, monkeypatch, amx):
     # bf16 on a CPU without AMX keeps the cache in fp32 and attends over it in fp32 (kv_cache_dtype)

@@ -252,6 +252,25 @@ def test_decode_steps_reusing_the_prefills_logits_memory_equal_fresh_logits(tiny
         assert (a.completion_ids, a.logprobs, a.finish_reason) == (b.completion_ids, b.logprobs, b.finish_reason)
 
 
+def test_garbage_in_the_caches_unwritten_memory_never_reaches_a_sample(loaded, monkeypatch):
+    # the cache's memory is not zeroed when made; fixed-shape decoding reads the unwritten
+    # positions behind a mask, and a NaN there would turn its attention output into NaN
+    ours, tok = loaded
+    clean = {decode: generate(ours, tok, PROMPTS, n=2, max_new_tokens=6, seed=1, decode=decode)
+             for decode in ("dropping", "fixed")}
+    new_cache = ours.new_cache
+
+    def nan_filled(*args, **kwargs):
+        cache = new_cache(*args, **kwargs)
+        for t in cache.k_memory + cache.v_memory:
+            t.fill_(float("nan"))
+        return cache
+    monkeypatch.setattr(ours, "new_cache", nan_filled)
+    for decode, rollouts in clean.items():
+        dirty = generate(ours, tok, PROMPTS, n=2, max_new_tokens=6, seed=1, decode=decode)
+        assert [(r.completion_ids, r.logprobs) for r in dirty] == [(r.completion_ids, r.logprobs) for r in rollouts]
+
+
 def test_draw_into_a_scratch_buffer_draws_what_a_new_one_draws_and_leaves_the_logits():
     g = torch.Generator().manual_seed(0)
     logits, uniforms = torch.randn(6, 50, generator=g) * 3, torch.rand(6, generator=g)
