@@ -422,9 +422,10 @@ class KVCache:
     in kv_cache_dtype. Passed to forward explicitly; `length` counts the positions already
     written. Positions past `length` hold whatever the memory held: attention reads only
     written ones, and fixed-shape decoding, which reads them all behind a mask, zeroes them
-    first (zero_unwritten). Filling them with zeros here would touch every page of the
-    cache at once, which for 64 rows of 600 positions at Qwen3-0.6B's shape in fp32 (8.8
-    GB) took 12 s on 2 cores of an AMD EPYC.
+    first (zero_unwritten). Left unfilled, a page of the memory is first touched when a
+    position on it is written, and never where none is (rows that end early); on the CPU,
+    faulting fresh pages in is most of what filling them costs (zeros for 64 rows of 600
+    positions at Qwen3-0.6B's shape in fp32, 8.8 GB, took 12 s on 2 cores of an AMD EPYC).
 
     rows (default batch_size) is the most rows select_rows makes in place, as when each
     prompt's row is repeated for its samples: the memory holds that many, and k[layer]
