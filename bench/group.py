@@ -14,8 +14,15 @@ peft. Ours is timed as generate runs it, the adapter folded into a copy of the w
 (lora.folded_adapter), and with the adapter's own products (fold_adapter=False). Our
 adapter's B matrices are random, so folding has something to fold.
 
+Random weights never end a sample, so by default every row runs to the last token. Real
+rollouts end at different lengths; with --finish-every K every token id divisible by K
+ends its row on both sides (an end-of-text id for transformers, a stop string for ours),
+so rows end after K tokens on average, at random. Each side then draws its own samples,
+and the table gives both sides' mean length.
+
     python bench/group.py
     python bench/group.py --dtypes bf16 --new-tokens 32
+    python bench/group.py --dtypes bf16 --finish-every 64
 """
 import argparse
 
@@ -24,6 +31,17 @@ import torch
 from common import M, NoStopTokenizer, add_args, build, decode_modes, markdown, race, random_ids, setup
 from sample import generate
 import lora  # noqa: E402  (common put the repository on the path)
+
+
+class EndsAtMultiples(NoStopTokenizer):
+    """Decodes each id divisible by `every` to "|", the stop string the benchmark gives
+    generate, and any other to a letter."""
+
+    def __init__(self, every):
+        self.every = every
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join("|" if t % self.every == 0 else "a" for t in ids)
 
 
 def main():
@@ -37,12 +55,16 @@ def main():
                                                  "(default: graph,dropping on CUDA, dropping elsewhere)")
     p.add_argument("--rank", type=int, default=16, help="LoRA rank of the policy's adapter (0: no adapter)")
     p.add_argument("--repeats", type=int, default=1, help="timed rounds, implementations taking turns")
+    p.add_argument("--finish-every", type=M.number(int, 0), default=0,
+                   help="end a row at a token id divisible by this (0: no row ends before --new-tokens)")
     args = p.parse_args()
     device = setup(args)
     B, n, T = args.prompts, args.samples, args.new_tokens
     prompts = random_ids(args.config, (B, args.prompt_tokens), seed=0)
     ids = prompts.to(device)
     modes = decode_modes(device, args.modes)
+    every = args.finish_every
+    tokenizer, stop = (EndsAtMultiples(every), ("|",)) if every else (NoStopTokenizer(), ())
     # (decode loop, adapter folded): every loop folded as generate does by default, then the
     # first loop with the adapter's own products
     settings = [(mode, True) for mode in modes] + ([(modes[0], False)] if args.rank else [])
@@ -59,34 +81,42 @@ def main():
                     B_matrix.normal_(0, 0.01, generator=generator)
             ref = get_peft_model(ref, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0,
                                                  target_modules=list(lora.TARGETS))).eval()
+        ends = dict(eos_token_id=list(range(0, ours.config.vocab_size, every))) if every else \
+            dict(eos_token_id=None, min_new_tokens=T)
         run_ref = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                        num_return_sequences=n, temperature=1.0, top_k=0, top_p=1.0,
-                                       max_new_tokens=T, min_new_tokens=T, pad_token_id=0, eos_token_id=None)
-        runs = [lambda mode=mode, fold=fold: generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=T,
-                                                      temperature=1.0, seed=0, decode=mode, fold_adapter=fold)
+                                       max_new_tokens=T, pad_token_id=0, **ends)
+        runs = [lambda mode=mode, fold=fold: generate(ours, tokenizer, prompts.tolist(), n=n, max_new_tokens=T,
+                                                      temperature=1.0, seed=0, decode=mode, fold_adapter=fold, stop=stop)
                 for mode, fold in settings]
         with torch.no_grad():
             # warm-up at a few tokens: kernels chosen, memory pools grown
             ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, num_return_sequences=n,
                          max_new_tokens=2, pad_token_id=0, eos_token_id=None)
             for mode, fold in settings:
-                generate(ours, NoStopTokenizer(), prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode,
-                         fold_adapter=fold)
+                generate(ours, tokenizer, prompts.tolist(), n=n, max_new_tokens=2, seed=0, decode=mode,
+                         fold_adapter=fold, stop=stop)
             timing = race([run_ref] + runs, device, args.repeats)
         (t_ref, *t_ours), (out_ref, *out_ours) = timing.best, timing.results
-        assert out_ref.shape == (B * n, args.prompt_tokens + T)
+        new_ref = out_ref[:, args.prompt_tokens:]
+        # transformers pads a row after its end with pad id 0, itself a multiple of K
+        ref_length = ((new_ref % every == 0).int().argmax(-1) + 1).where((new_ref % every == 0).any(-1), T) \
+            if every else torch.full((B * n,), new_ref.shape[1])
+        assert every or new_ref.shape == (B * n, T)
         for i, ((mode, fold), t, out) in enumerate(zip(settings, t_ours, out_ours), start=1):
-            assert all(len(r.completion_ids) == T for r in out)
+            lengths = [len(r.completion_ids) for r in out]
+            assert every or lengths == [T] * len(out)
             # same seeds, and folding changes the weights' rounding only, so every setting should
             # draw the same samples (in bf16 rounding can part a few)
             same = sum(a.completion_ids == b.completion_ids for a, b in zip(out_ours[0], out)) / len(out)
             adapter = f"rank {args.rank}, " + ("folded" if fold else "own products") if args.rank else "none"
-            rows.append((dtype_name, f"{B}x{n}", T, mode, adapter, f"{B * n / t:.2f}", f"{B * n / t_ref:.2f}",
+            rows.append((dtype_name, f"{B}x{n}", T, f"{sum(lengths) / len(lengths):.0f} / {ref_length.float().mean():.0f}",
+                         mode, adapter, f"{B * n / t:.2f}", f"{B * n / t_ref:.2f}",
                          *timing.ratio_cells(0, i), f"{same:.0%}"))
             print(*rows[-1], flush=True)
         del ours, ref
     print()
-    print(markdown(["dtype", "prompts x samples", "new tokens", "ours: decode", "adapter", "ours samples/s",
+    print(markdown(["dtype", "prompts x samples", "new tokens", "mean length, ours / transformers", "ours: decode", "adapter", "ours samples/s",
                     "transformers samples/s", "ratio", "ratio's range", "samples equal to the first row's"], rows))
 
 

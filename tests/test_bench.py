@@ -47,9 +47,19 @@ def test_sample_bench_decodes_what_transformers_decodes(tiny_model):
 def test_group_bench_draws_the_same_groups_in_both_decode_loops(tiny_model):
     rows = bench("group.py", "--config", tiny_model, "--prompts", "2", "--samples", "3", "--new-tokens", "6",
                  "--prompt-tokens", "5", "--modes", "dropping,fixed", "--rank", "4")
-    assert [(r[3], r[4]) for r in rows] == [("dropping", "rank 4, folded"), ("fixed", "rank 4, folded"),
+    assert [(r[4], r[5]) for r in rows] == [("dropping", "rank 4, folded"), ("fixed", "rank 4, folded"),
                                             ("dropping", "rank 4, own products")], rows
-    assert all(r[1] == "2x3" and r[-1] == "100%" for r in rows), rows
+    assert all(r[1] == "2x3" and r[3] == "6 / 6" and r[-1] == "100%" for r in rows), rows
+
+
+def test_group_bench_ends_rows_at_random_on_both_sides(tiny_model):
+    rows = bench("group.py", "--config", tiny_model, "--prompts", "2", "--samples", "4", "--new-tokens", "40",
+                 "--prompt-tokens", "5", "--modes", "dropping,fixed", "--rank", "0", "--finish-every", "4")
+    assert len(rows) == 2 and all(r[-1] == "100%" for r in rows), rows  # both loops end rows alike
+    for row in rows:
+        ours, reference = map(float, row[3].split(" / "))
+        # a row ends after 4 tokens on average: far from 40, and not all at the first token
+        assert 1 < ours < 20 and 1 < reference < 20, row
 
 
 def test_train_step_bench_starts_from_the_same_loss(tiny_model):
