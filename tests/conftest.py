@@ -38,6 +38,16 @@ TINY_CONFIGS = {
 }
 
 
+def randomize_adapter(model, name="default", seed=0, scale=0.1):
+    """Random values in every LoRA matrix of adapter `name`, B included, so that the adapter
+    changes what the model computes (a fresh adapter's B is zero)."""
+    import lora
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model, name):
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
 def hold_in_another_process(folder):
     """A process that holds folder (lora.hold) until it is killed."""
     import subprocess

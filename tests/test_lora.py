@@ -5,14 +5,7 @@ import torch
 
 import lora
 import model as M
-from conftest import DEVICES, hold_in_another_process
-
-
-def randomize_adapter(model, name, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in lora.lora_parameters(model, name):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+from conftest import DEVICES, hold_in_another_process, randomize_adapter
 
 
 def peft_model(folder, adapter=None, r=4, alpha=8):

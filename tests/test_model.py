@@ -12,7 +12,8 @@ import torch
 
 import data
 import model as M
-from conftest import DEVICES, ONEDNN_MISSING, PACKED_AS, SHARED_CONFIG, TINY_CONFIGS, pack_bf16_as, save_hf_model
+from conftest import (DEVICES, ONEDNN_MISSING, PACKED_AS, SHARED_CONFIG, TINY_CONFIGS, pack_bf16_as, randomize_adapter,
+                      save_hf_model)
 
 
 def every_fp32_weight_to_onednn(monkeypatch):
@@ -92,10 +93,7 @@ def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, mo
     import lora
     ours, tok = M.load(tiny_model)
     lora.add_lora(ours, rank=4, alpha=8)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lora.lora_parameters(ours):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    randomize_adapter(ours)
     a, b = two_sequences(tok)
     ids, mask = M.left_pad([a, b], tok.pad_id)
     sequences = [a, b, a[:9], b[:5]]  # the short ones share a row: the segments mask

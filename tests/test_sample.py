@@ -3,6 +3,7 @@ import torch
 
 import model as M
 import sample
+from conftest import randomize_adapter
 from sample import draw, filter_logits, find_stop, first_max_index, generate
 
 PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
@@ -49,10 +50,7 @@ def test_folded_adapter_samples_what_the_adapter_samples(tiny_model):
     import lora
     ours, tok = M.load(tiny_model)
     lora.add_lora(ours, rank=4, alpha=8)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lora.lora_parameters(ours):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    randomize_adapter(ours)
     base = generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, seed=3, fold_adapter=False, decode="dropping")
     with lora.use_adapter(ours, None):
         plain = generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, seed=3)
@@ -74,10 +72,7 @@ def test_bf16_sampling_on_the_cpu_packs_the_folded_weights_and_scores_what_the_a
     monkeypatch.setattr(M, "cpu_has_amx", lambda: amx)  # without AMX the KV cache is fp32 (kv_cache_dtype)
     ours, tok = M.load(tiny_model, dtype="bf16")
     lora.add_lora(ours, rank=4, alpha=8)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in lora.lora_parameters(ours):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    randomize_adapter(ours, scale=0.3)
     calls = packed_products
     for decode in ("dropping", "fixed"):
         calls.clear()

@@ -12,7 +12,7 @@ import model as M
 import opd
 import rl
 import sft
-from conftest import DEVICES, ROOT, hold_in_another_process, save_hf_model
+from conftest import DEVICES, ROOT, hold_in_another_process, randomize_adapter, save_hf_model
 
 LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
 MAINS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
@@ -323,10 +323,7 @@ def test_a_split_logit_kl_step_reads_a_run_folder_teacher_without_its_dropout(ti
     # still run it as in evaluation, as the unsplit step does
     m, _ = M.load(tiny_model)
     lora.add_lora(m, rank=2, alpha=4, dropout=0.5)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for p in lora.lora_parameters(m):
-            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    randomize_adapter(m, seed=3, scale=0.3)
     lora.save_adapter(m, str(tmp_path / "teacher"), base_model=tiny_model)
     assert json.loads((tmp_path / "teacher" / "adapter_config.json").read_text())["lora_dropout"] == 0.5
     logs = []
