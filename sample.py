@@ -16,10 +16,10 @@ decode step is captured once as a CUDA graph at a fixed shape and replayed
 (FixedShapeDecoder), which matters more there than the rows saved. A policy's LoRA
 adapter is folded into a copy of the weights it adapts for the length of a call
 (lora.folded_adapter), so sampling from an adapted policy costs what sampling from the
-plain model does. In bf16 on the CPU (and
-in fp32 on AMD CPUs) the decoder layers' weights and the output layer's are also packed for
-oneDNN for the length of a call (model.packed_weights): four stacked products per layer
-instead of seven, each streaming its weights faster.
+plain model does. In bf16 on the CPU (and in fp32 on AMD CPUs) the decoder layers'
+weights and the output layer's are also packed for oneDNN for the length of a call
+(model.packed_weights): four stacked products per layer instead of seven, each streaming
+its weights faster.
 """
 import contextlib
 import os
