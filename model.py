@@ -477,8 +477,9 @@ class KVCache:
         sources = index.tolist()
         capacity = len(self.k_memory[0])
         moves = [(row, source) for row, source in enumerate(sources) if row != source]
-        if len(sources) <= capacity and (all(s < r for r, s in moves) or all(s > r for r, s in moves)):
-            if any(s < r for r, s in moves):
+        upward, downward = all(s > r for r, s in moves), all(s < r for r, s in moves)
+        if len(sources) <= capacity and (upward or downward):
+            if downward:
                 moves.reverse()  # the highest row first: each takes a row below it, not yet written
             for memory in self.k_memory + self.v_memory:
                 for row, source in moves:

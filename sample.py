@@ -275,8 +275,9 @@ def _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, 
             # move in the cache (KVCache.select_rows), not every row after the first left out
             later = [row for row in keep if row >= len(keep)]
             kept = set(keep)
-            index = torch.tensor([row if row in kept else later.pop() for row in range(len(keep))], device=device)
-            in_batch = [in_batch[row] for row in index.tolist()]
+            order = [row if row in kept else later.pop() for row in range(len(keep))]
+            index = torch.tensor(order, device=device)
+            in_batch = [in_batch[row] for row in order]
             next_tok, mask = next_tok[index], mask[index]
             cache.select_rows(index)
         mask = torch.cat([mask, mask.new_ones(len(in_batch), 1)], dim=1)

@@ -99,10 +99,13 @@ def main():
             timing = race([run_ref] + runs, device, args.repeats)
         (t_ref, *t_ours), (out_ref, *out_ours) = timing.best, timing.results
         new_ref = out_ref[:, args.prompt_tokens:]
-        # transformers pads a row after its end with pad id 0, itself a multiple of K
-        ref_length = ((new_ref % every == 0).int().argmax(-1) + 1).where((new_ref % every == 0).any(-1), T) \
-            if every else torch.full((B * n,), new_ref.shape[1])
-        assert every or new_ref.shape == (B * n, T)
+        if every:
+            # a row's first multiple of K is its end (transformers pads after it with pad id 0, a multiple too)
+            ended = new_ref % every == 0
+            ref_length = torch.where(ended.any(-1), ended.int().argmax(-1) + 1, T)
+        else:
+            assert new_ref.shape == (B * n, T)
+            ref_length = torch.full((B * n,), T)
         for i, ((mode, fold), t, out) in enumerate(zip(settings, t_ours, out_ours), start=1):
             lengths = [len(r.completion_ids) for r in out]
             assert every or lengths == [T] * len(out)
@@ -116,8 +119,9 @@ def main():
             print(*rows[-1], flush=True)
         del ours, ref
     print()
-    print(markdown(["dtype", "prompts x samples", "new tokens", "mean length, ours / transformers", "ours: decode", "adapter", "ours samples/s",
-                    "transformers samples/s", "ratio", "ratio's range", "samples equal to the first row's"], rows))
+    print(markdown(["dtype", "prompts x samples", "new tokens", "mean length, ours / transformers", "ours: decode",
+                    "adapter", "ours samples/s", "transformers samples/s", "ratio", "ratio's range",
+                    "samples equal to the first row's"], rows))
 
 
 if __name__ == "__main__":
