@@ -655,24 +655,23 @@ class Qwen3(nn.Module):
         # outputs for the backward pass and recomputes the elementwise rest (see keep_costly)
         self.recompute = False
 
-    def forward(self, input_ids, attention_mask=None, cache=None, hidden_only=False, segments=None):
+    def forward(self, input_ids, attention_mask=None, cache=None, hidden_only=False, positions=None, visible=None):
         """input_ids (B, T). attention_mask (B, past+T) of 1 for real tokens and 0 for left
-        padding, covering the cached positions too. segments (B, T), without a cache: rows
-        holding several sequences one after another, each a run of equal ids, that attend
-        only within their own run and count positions from its start (sequence_states).
-        Returns logits (B, T, vocab), or the final hidden states (B, T, hidden) with
-        hidden_only=True so the caller can take logits only where it needs them."""
+        padding, covering the cached positions too. positions (B, T) and visible (B, T, T),
+        without a cache: each token's position and the earlier tokens of its row it attends
+        to (itself included), for rows holding several sequences, or a prefix tree of them,
+        laid out by sequence_states. Returns logits (B, T, vocab), or the final hidden states
+        (B, T, hidden) with hidden_only=True so the caller can take logits only where it
+        needs them."""
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
         device = input_ids.device
-        if segments is not None:
+        if (positions is None) != (visible is None):
+            raise ValueError("positions and visible go together: pass both or neither")
+        if visible is not None:
             if cache is not None or attention_mask is not None:
-                raise ValueError("segments are for training passes, without a cache or an attention_mask")
-            index = torch.arange(T, device=device)
-            starts = torch.ones_like(segments, dtype=torch.bool)
-            starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
-            positions = index - torch.where(starts, index, 0).cummax(-1).values
-            mask = ((index[None, :] <= index[:, None])[None] & (segments[:, :, None] == segments[:, None, :]))[:, None]
+                raise ValueError("positions and visible are for training passes, without a cache or an attention_mask")
+            mask = visible[:, None]
         elif attention_mask is None:
             positions = torch.arange(past, past + T, device=device).expand(B, T)
             mask = None
@@ -933,61 +932,99 @@ def left_pad(seqs, pad_id, device=None):
 
 def fill_rows(lengths):
     """Sequence indices grouped into rows as long as the longest sequence, each sequence in
-    the first row with room for it, longest first (first-fit decreasing). A batch's
-    lengths vary (GSM8K's questions with their solutions by about threefold), and with one
-    sequence to a row nearly half of an SFT batch of 16 would be padding. Rows no longer
-    than the unshared pass's keep attention's cost per token where it was."""
-    rows, room, longest = [], [], max(lengths, default=0)
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        row = next((r for r in range(len(rows)) if room[r] >= lengths[i]), None)
-        if row is None:
+    the first row with room for it, longest first (first-fit decreasing): pack_rows'
+    rows for sequences that share no prefix, from their lengths alone (lora.micro_batches'
+    bound on a micro-batch's tokens)."""
+    placed, rows = pack_rows([[0] * n for n in lengths], share_prefixes=False)[1], {}
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):  # rows open in this order
+        rows.setdefault(placed[b][0], []).append(b)
+    return list(rows.values())
+
+
+SHARED_PREFIX_MIN = 16  # tokens a sequence must share with a row to be laid out on its prefix
+
+
+def pack_rows(sequences, share_prefixes=True):
+    """Sequences laid out in rows as long as the longest one, longest first, each in the
+    row where it adds fewest tokens, of those with room for it (the first of equals).
+    A batch's lengths vary (GSM8K's questions with their solutions by about threefold),
+    and with one sequence to a row nearly half of an SFT batch of 16 would be padding;
+    rows no longer than the unshared pass's keep attention's cost per token where it was.
+    A sequence that opens with SHARED_PREFIX_MIN or more tokens already in its row, along
+    one path, adds only the rest: a row is then a prefix tree, each token computed once
+    for every sequence that passes through it. RL's samples of one prompt share the
+    prompt, OPD's continuations of one rollout its prefix up to their cut (a shorter
+    common opening, such as GSM8K's 'Question:', is not worth the mask it would cost a
+    pass that could run unmasked). Returns (rows, placed): the token ids of each row, and
+    for each sequence its row and the column of each of its tokens."""
+    longest = max(map(len, sequences), default=0)
+    rows, children, placed = [], [], [None] * len(sequences)
+    for b in sorted(range(len(sequences)), key=lambda b: -len(sequences[b])):
+        s = sequences[b]
+        best, best_path = None, []
+        for r, row in enumerate(rows):
+            path, parent = [], -1
+            while share_prefixes and len(path) < len(s) and (parent, s[len(path)]) in children[r]:
+                parent = children[r][parent, s[len(path)]]
+                path.append(parent)
+            path = path if len(path) >= SHARED_PREFIX_MIN else []
+            if len(row) + len(s) - len(path) <= longest and (best is None or len(path) > len(best_path)):
+                best, best_path = r, path
+        if best is None:
             rows.append([])
-            room.append(longest)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= lengths[i]
-    return rows
+            children.append({})
+            best = len(rows) - 1
+        row, columns = rows[best], list(best_path)
+        for token in s[len(columns):]:
+            children[best].setdefault((columns[-1] if columns else -1, token), len(row))
+            columns.append(len(row))
+            row.append(token)
+        placed[b] = (best, columns)
+    return rows, placed
 
 
 def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
     """Hidden states of every state (seq[:t]) whose next token seq[t] is trained on, for t
     in [start, len(seq)) of each sequence. Returns (states (N, hidden), targets (N,),
-    sequence (N,)), sequence by sequence in the given order. Short sequences share a row (fill_rows),
-    each attending only to itself (share_rows=False: one row each, as bench/train_step.py
-    compares); where every sequence has a row of its own, rows are right-padded, causal
-    attention alone keeps padding out of real tokens, and the pass runs the causal kernel
-    with no mask."""
+    sequence (N,)), sequence by sequence in the given order. Short sequences share a row,
+    and sequences with a common prefix share its tokens (pack_rows), each token attending
+    only to its own sequence's earlier tokens (share_rows=False: one row each, as
+    bench/train_step.py compares); where every sequence has a row of its own, rows are
+    right-padded, causal attention alone keeps padding out of real tokens, and the pass
+    runs the causal kernel with no mask."""
     device = model.lm_head.weight.device
     for b, (s, start) in enumerate(zip(sequences, starts)):
         if not 1 <= start <= len(s):
             raise ValueError(f"sequence {b}: start {start} outside [1, {len(s)}]")
-    rows = fill_rows([len(s) for s in sequences]) if share_rows else None
+    rows, placed = pack_rows(sequences) if share_rows else (None, None)
     shared = rows is not None and len(rows) < len(sequences)
-    if not shared:
-        rows = [[b] for b in range(len(sequences))]  # one row each in the given order: the plain right-padded pass
-    L = max(len(s) for s in sequences)
+    if not shared:  # one row each in the given order: the plain right-padded pass
+        rows, placed = sequences, [(b, list(range(len(s)))) for b, s in enumerate(sequences)]
+    L = max(len(row) for row in rows)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-    segments = torch.full((len(rows), L), -1, dtype=torch.long)  # padding: a run of its own
-    where = {}  # sequence -> (row, column of its first token)
-    for r, members in enumerate(rows):
-        column = 0
-        for b in members:
-            s = sequences[b]
-            ids[r, column:column + len(s)] = torch.tensor(s)
-            segments[r, column:column + len(s)] = b
-            where[b] = (r, column)
-            column += len(s)
-    state_rows, cols, seq_of_state = [], [], []
-    for b, (s, start) in enumerate(zip(sequences, starts)):
-        r, column = where[b]
-        state_rows += [r] * (len(s) - start)
-        cols += range(column + start, column + len(s))
-        seq_of_state += [b] * (len(s) - start)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+    positions = visible = None
+    if shared:
+        positions = torch.zeros((len(rows), L), dtype=torch.long)
+        visible = torch.eye(L, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself alone
+        for s, (r, columns) in zip(sequences, placed):
+            columns = torch.tensor(columns)
+            positions[r, columns] = torch.arange(len(s))
+            # a token shared by several sequences is given the same earlier tokens by each
+            visible[r, columns[:, None], columns[None, :]] = torch.ones(len(s), len(s), dtype=torch.bool).tril()
+        positions, visible = positions.to(device), visible.to(device)
+    state_rows, state_cols, target_cols, seq_of_state = [], [], [], []
+    for b, ((r, columns), start) in enumerate(zip(placed, starts)):
+        state_rows += [r] * (len(columns) - start)
+        state_cols += columns[start - 1:-1]
+        target_cols += columns[start:]
+        seq_of_state += [b] * (len(columns) - start)
     ids = ids.to(device)
-    state_rows, cols, seq_of_state = (torch.tensor(x, dtype=torch.long, device=device)
-                                      for x in (state_rows, cols, seq_of_state))
-    hidden = model(ids, hidden_only=True, segments=segments.to(device) if shared else None)
-    return hidden[state_rows, cols - 1], ids[state_rows, cols], seq_of_state
+    state_rows, state_cols, target_cols, seq_of_state = (torch.tensor(x, dtype=torch.long, device=device)
+                                                         for x in (state_rows, state_cols, target_cols, seq_of_state))
+    hidden = model(ids, hidden_only=True, positions=positions, visible=visible)
+    return hidden[state_rows, state_cols], ids[state_rows, target_cols], seq_of_state
 
 
 def sequence_logprobs(model, sequences, starts, pad_id=0, share_rows=True):

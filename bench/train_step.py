@@ -30,11 +30,15 @@ is not at hand offline: the spread of lengths is what matters here). It times ou
 short sequences sharing rows (model.fill_rows, what the scripts run), ours with one row
 per sequence, right-padded, and peft on the same right-padded batch with its attention
 mask and the padding and prompts left out of the loss, as TRL pads a batch
-(--without-peft: the first two alone, the second the reference).
+(--without-peft: the first two alone, the second the reference). --group-size K makes it
+rl.py's batch, K samples of each of the N questions, and --cuts C opd.py's, each sample
+continued from C points of its answer: sequences with long common prefixes, which ours
+lays out once in a row (model.pack_rows).
 
     python bench/train_step.py
     python bench/train_step.py --dtypes bf16 --steps 1
     python bench/train_step.py --dtypes bf16 --gsm8k-batch 16 --steps 3
+    python bench/train_step.py --dtypes bf16 --gsm8k-batch 2 --group-size 8 --without-peft
 """
 import argparse
 
@@ -66,17 +70,34 @@ def peft_step(ref, ids, rank, dropout, attention_mask=None, labels=None):
     return training_step(lambda: model(input_ids=ids, attention_mask=attention_mask, labels=labels).loss, optimizer)
 
 
-def gsm8k_batch(config_dir, n, data_dir):
+def gsm8k_batch(config_dir, n, data_dir, group_size=1, cuts=0, continuation=32):
     """sft.py's first batch of n examples: random ids at the lengths of their texts (4
-    characters to a token), and where each one's answer starts."""
+    characters to a token), and where each one's answer starts. With group_size, rl.py's
+    batch instead: group_size samples of each question, each as long as another example's
+    answer; with cuts, opd.py's: each sample cut at that many random points of its answer
+    and continued by `continuation` tokens, trained on those alone."""
+    import random
     import data
     rows = data.load_gsm8k("train", data_dir)
-    batch = [rows[i] for i in data.batch_indices(len(rows), 0, n, seed=0)]
+    batch = [rows[i] for i in data.batch_indices(len(rows), 0, n * group_size, seed=0)]
     prompts = [data.gsm8k_prompt(r["question"]) for r in batch]
+    prompt_lengths = [round(len(p) / 4) for p in prompts]
     lengths = [round(len(p + " " + r["answer"]) / 4) + 1 for p, r in zip(prompts, batch)]  # + end-of-text
-    starts = [round(len(p) / 4) for p in prompts]
-    ids = random_ids(config_dir, (n, max(lengths)), seed=1)
-    return [row[:length] for row, length in zip(ids.tolist(), lengths)], starts
+    answer_lengths = [length - prompt for length, prompt in zip(lengths, prompt_lengths)]
+    group_prompt = [prompt_lengths[i - i % group_size] for i in range(len(batch))]  # the group's first question's
+    width = max(p + a for p, a in zip(group_prompt, answer_lengths)) + (continuation if cuts else 0)
+    ids = random_ids(config_dir, (len(batch), width), seed=1).tolist()
+    seqs, starts, rng = [], [], random.Random(0)
+    for i, row in enumerate(ids):
+        prompt = ids[i - i % group_size][:group_prompt[i]]
+        sample = prompt + row[len(prompt):len(prompt) + answer_lengths[i]]
+        if not cuts:
+            seqs.append(sample)
+            starts.append(len(prompt))
+        for t in sorted(rng.sample(range(answer_lengths[i]), min(cuts, answer_lengths[i]))):
+            seqs.append(sample[:len(prompt) + t] + row[-continuation:])
+            starts.append(len(prompt) + t)
+    return seqs, starts
 
 
 def ragged(args, device):
@@ -87,7 +108,7 @@ def ragged(args, device):
         base, ref = build(args.config, dtype, device)
         if args.without_peft:
             ref = None  # in fp32 on the CPU ours holds its own copy of the weights (column-major): free the other
-        seqs, starts = gsm8k_batch(args.config, args.gsm8k_batch, args.data_dir)
+        seqs, starts = gsm8k_batch(args.config, args.gsm8k_batch, args.data_dir, args.group_size, args.cuts)
         ids, mask = M.left_pad([s[::-1] for s in seqs], 0)  # right padding: each row reversed, padded, reversed back
         ids, mask = ids.flip(1).to(device), mask.flip(1).to(device)
         labels = ids.masked_fill(mask == 0, -100)
@@ -101,15 +122,19 @@ def ragged(args, device):
         timing = race(steps, device, args.steps)
         peaks = [step_peak_memory(step, device) for step in steps]
         lengths = [len(s) for s in seqs]
-        n_rows = len(M.fill_rows(lengths))
+        packed = M.pack_rows(seqs)[0]
+        n_rows, laid_out = len(packed), sum(map(len, packed))
         shared = f"{n_rows} shared rows" if n_rows < len(seqs) else f"{n_rows} rows (none fit two sequences)"
+        if laid_out < sum(lengths):
+            shared += f", {laid_out:,} of {sum(lengths):,} tokens (prefixes shared)"
         # the reference: peft, else ours with a row per sequence (whose row then reads 1.00x)
         ref_i = 1 if args.without_peft else 2
         peft_seconds, peft_peak = (("-", "-") if args.without_peft else
                                    (f"{timing.best[2]:.3f}", f"{peaks[2] / 2**20:.0f}"))
-        for i, (layout, layout_rows) in enumerate(((shared, n_rows), (f"{len(seqs)} rows", len(seqs)))):
+        for i, (layout, layout_rows, tokens) in enumerate(((shared, n_rows, laid_out),
+                                                           (f"{len(seqs)} rows", len(seqs), sum(lengths)))):
             rows.append((dtype_name, f"{len(seqs)}, {min(lengths)} to {max(lengths)}",
-                         f"{sum(lengths) / layout_rows / max(lengths):.0%}", layout,
+                         f"{tokens / layout_rows / max(lengths):.0%}", layout,
                          f"{timing.best[i]:.3f}", peft_seconds,
                          *timing.ratio_cells(ref_i, i), f"{peaks[i] / 2**20:.0f}",
                          peft_peak, f"{peaks[i] / peaks[ref_i]:.2f}x",
@@ -144,6 +169,10 @@ def main():
     p.add_argument("--steps", type=int, default=5, help="timed steps of each after one warm-up step, taken in turns")
     p.add_argument("--gsm8k-batch", type=int, default=0,
                    help="instead of --batch x --length: sft.py's first N GSM8K examples at their own lengths")
+    p.add_argument("--group-size", type=int, default=1,
+                   help="--gsm8k-batch as rl.py's: N questions, this many samples of each (sharing the question)")
+    p.add_argument("--cuts", type=int, default=0,
+                   help="--gsm8k-batch as opd.py's: each sample cut at this many points and continued by 32 tokens")
     p.add_argument("--without-peft", action="store_true",
                    help="--gsm8k-batch against ours with a row per sequence alone (peft at 16 GSM8K examples needs "
                         "more than 24 GB on the CPU)")

@@ -3,6 +3,7 @@ against transformers / peft on the same weights) come out as they must in fp32."
 import contextlib
 import io
 import os
+import re
 import runpy
 import sys
 
@@ -89,6 +90,19 @@ def test_train_step_bench_on_gsm8k_lengths_shares_rows_and_starts_from_the_same_
         assert abs(float(ours) - float(peft)) < 1e-4, row
     rows = bench("train_step.py", *common, "--without-peft")
     assert rows[1][5:8] == ["-", "1.00x", "1.00x to 1.00x"] and rows[1][9:11] == ["-", "1.00x"], rows
+
+
+@pytest.mark.parametrize("workload", [("--group-size", "4"), ("--cuts", "3")])  # rl.py's batch, opd.py's
+def test_train_step_bench_lays_common_prefixes_out_once_and_starts_from_the_same_loss(tiny_model, data_dir, workload):
+    rows = bench("train_step.py", "--config", tiny_model, "--data-dir", data_dir, "--gsm8k-batch", "2", *workload,
+                 "--rank", "4", "--steps", "1")
+    sequences = "6" if workload[0] == "--cuts" else "8"  # 2 samples cut at 3 points each; 2 x 4 samples
+    assert [r[1].split(",")[0] for r in rows] == [sequences] * 2, rows
+    laid_out, total = re.search(r"([\d,]+) of ([\d,]+) tokens \(prefixes shared\)", rows[0][3]).groups()
+    assert int(laid_out.replace(",", "")) < int(total.replace(",", "")), rows
+    for row in rows:  # ours sharing prefixes, ours a row each, peft: one loss on the same batch and weights
+        ours, peft = row[-1].split(" / ")
+        assert abs(float(ours) - float(peft)) < 1e-4, row
 
 
 def test_mmlu_bench_scores_what_the_loop_scores(tiny_model, data_dir):

@@ -1065,6 +1065,29 @@ def test_fill_rows_puts_each_sequence_once_in_a_row_with_room_longest_first():
     assert M.fill_rows([4, 4, 4]) == [[0], [1], [2]]
 
 
+def test_pack_rows_lays_a_shared_prefix_out_once_where_it_is_long_enough():
+    n = M.SHARED_PREFIX_MIN
+    prompt = list(range(100, 100 + n))
+    trunk = prompt + [1, 2, 3, 4, 5, 6, 7, 8]
+    sequences = [trunk, prompt + [7, 8], prompt[:-1] + [9, 9, 9, 9], trunk[:n + 2], [5] * 6, trunk, [6] * (n + 12)]
+    rows, placed = M.pack_rows(sequences)
+    for s, (r, columns) in zip(sequences, placed):
+        assert [rows[r][c] for c in columns] == s  # each sequence reads back from its columns
+        assert columns == sorted(columns)  # a token's earlier tokens lie before it: causal
+    # rows of at most the longest sequence's n + 12 tokens, longest first: the trunk, then
+    # its copy and its prefix at no cost, prompt + [7, 8] adding 2; sharing one token too
+    # few, the third adds all of its own and takes a new row, where the short one fits
+    assert [r for r, _ in placed] == [1, 1, 2, 1, 2, 1, 0]
+    assert [len(row) for row in rows] == [n + 12, n + 10, n + 9]
+    assert placed[3][1] == placed[0][1][:n + 2] and placed[5][1] == placed[0][1]
+    assert placed[1][1] == placed[0][1][:n] + [n + 8, n + 9]
+    # without sharing, each sequence's tokens are its own, first-fit decreasing as fill_rows
+    rows, placed = M.pack_rows(sequences, share_prefixes=False)
+    assert sum(map(len, rows)) == sum(map(len, sequences)) and max(map(len, rows)) == n + 12
+    assert [r for r, _ in placed] == [1, 4, 3, 5, 3, 2, 0]
+    assert M.fill_rows(list(map(len, sequences))) == [[6], [0], [5], [2, 4], [1], [3]]
+
+
 def sharing_batch(tok):
     """Sequences of mixed lengths, some of which share a row (model.fill_rows), and where
     each one's trained tokens start: halfway along it."""
@@ -1075,35 +1098,55 @@ def sharing_batch(tok):
     return seqs, [max(1, len(s) // 2) for s in seqs]
 
 
+def prefix_batch(tok):
+    """Sequences with long common prefixes, as RL and OPD train on: two samples of one prompt,
+    a duplicate of one of them, and OPD's continuations of a rollout at three cuts, each
+    trained on its continuation alone."""
+    prompt = tok.encode("Question: Janet has 3 apples and buys 5 more. How many apples does she have now?\nAnswer:")
+    samples = [prompt + tok.encode(" She has 3 + 5 = 8 apples. #### 8"), prompt + tok.encode(" 8"),
+               prompt + tok.encode(" She has 3 + 5 = 8 apples. #### 8")]
+    rollout = samples[0]
+    cuts = [len(prompt) + 1, len(prompt) + 6, len(rollout) - 2]
+    continuations = [rollout[:t] + tok.encode(f" {t} more tokens") for t in cuts]
+    assert len(prompt) >= M.SHARED_PREFIX_MIN
+    return samples + continuations, [len(prompt)] * 3 + cuts
+
+
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradients(tiny_models, name, monkeypatch):
     import lora
     m, tok = M.load(tiny_models[name])
-    torch.manual_seed(0)
     lora.add_lora(m, rank=4, alpha=8)
-    with torch.no_grad():
-        for p in lora.lora_parameters(m):
-            p.normal_(0, 0.1)
-    seqs, starts = sharing_batch(tok)
+    randomize_adapter(m)
+    short, short_starts = sharing_batch(tok)
+    prefixed, prefixed_starts = prefix_batch(tok)
+    seqs, starts = short + prefixed, short_starts + prefixed_starts
 
-    calls, positions = [], []
-    plain_forward, plain_rotary = m.forward, M.rotary_cos_sin
-    m.forward = lambda *a, **k: calls.append(k.get("segments")) or plain_forward(*a, **k)
-    monkeypatch.setattr(M, "rotary_cos_sin", lambda p, *a: positions.append(p) or plain_rotary(p, *a))
+    calls = []
+    plain_forward = m.forward
+    m.forward = lambda ids, **k: calls.append((ids, k.get("positions"), k.get("visible"))) or plain_forward(ids, **k)
     states, targets, sequence_of_state = M.sequence_states(m, seqs, starts, tok.pad_id)
-    # rotary sees relative positions only, so this is checked here rather than in the values:
-    # each sequence counts its positions from 0, wherever it lies in its row
-    for row, segment in zip(positions[0].tolist(), calls[0].tolist()):
-        for b in set(segment) - {-1}:
-            assert [p for p, s in zip(row, segment) if s == b] == list(range(len(seqs[b])))
+    ids, positions, visible = calls[0]
+    assert visible is not None
+    # fewer columns than with sequences sharing rows but no tokens (here 340 against 476)
+    assert ids.numel() < len(M.fill_rows(list(map(len, seqs)))) * ids.shape[1]
+    # rotary sees relative positions only, so they are checked here rather than in the
+    # values: each sequence, read back along the tokens its last one sees, counts its
+    # positions from 0 and is itself, wherever and however shared it lies in its row
+    for s in seqs:
+        found = [(r, c) for r in range(len(ids)) for c in range(ids.shape[1])
+                 if positions[r, c] == len(s) - 1 and ids[r, c] == s[-1]
+                 and ids[r][visible[r, c]].tolist() == s]
+        assert found
+        r, c = found[0]
+        assert positions[r][visible[r, c]].tolist() == list(range(len(s)))
     m.token_logprobs(states, targets).sum().backward()
     shared_grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.requires_grad}
     m.zero_grad(set_to_none=True)
-    assert calls[0] is not None
     calls.clear()
 
     alone = [M.sequence_states(m, [s], [start], tok.pad_id) for s, start in zip(seqs, starts)]
-    assert calls == [None] * len(seqs)  # one sequence to a row: no segments, the causal kernel
+    assert [visible for _, _, visible in calls] == [None] * len(seqs)  # one sequence to a row: the causal kernel
     alone_states = torch.cat([a[0] for a in alone])
     assert torch.equal(targets, torch.cat([a[1] for a in alone]))
     m.token_logprobs(alone_states, targets).sum().backward()
@@ -1112,8 +1155,12 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
     for n, p in m.named_parameters():
         if p.requires_grad:
             assert (shared_grads[n] - p.grad).abs().max() <= 1e-4 * p.grad.abs().max(), n
-    with pytest.raises(ValueError, match="segments"):
-        m(torch.tensor([seqs[0]]), cache=m.new_cache(1, 40), segments=torch.zeros(1, len(seqs[0]), dtype=torch.long))
+    row = torch.tensor([seqs[0]])
+    with pytest.raises(ValueError, match="without a cache"):
+        plain_forward(row, cache=m.new_cache(1, 40), positions=torch.zeros_like(row),
+                      visible=torch.ones(1, row.shape[1], row.shape[1], dtype=torch.bool))
+    with pytest.raises(ValueError, match="both or neither"):
+        plain_forward(row, positions=torch.zeros_like(row))
 
 
 # (device, weights, autocast on the CPU): the scripts run under autocast on CUDA (M.autocast)
