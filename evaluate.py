@@ -29,7 +29,7 @@ import data
 import drift
 import lora
 import model as M
-from sample import generate
+from sample import generate, prefill, prompt_groups
 
 TASKS = ("gsm8k", "mmlu", "truthfulqa")
 RETENTION_TASKS = ("truthfulqa", "mmlu")  # the paper averages forgetting over TruthfulQA MC1 and MMLU
@@ -56,7 +56,9 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
 
     Tokenised as lm-evaluation-harness does (continuation tokens = tokens of the whole
     string after the context's tokens). Each context is run once and its KV cache
-    copied to its choices, so a 5-shot prompt is not recomputed for every option. When
+    copied to its choices, so a 5-shot prompt is not recomputed for every option, and
+    what contexts share at their start (MMLU's shots of one subject, TruthfulQA's
+    6-shot primer) is run once for a batch (scoring_order, sample.prefill). When
     every continuation of a batch is one token (MMLU's ' A'..' D'), the context's last
     state alone scores them: no cache, no copies of it, no second pass.
     Returns a list of lists of floats."""
@@ -65,20 +67,18 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     cont_ids = []
     for ctx, c_ids, opts in zip(contexts, ctx_ids, choices):
         cont_ids.append([whole[len(c_ids):] for whole in tok.encode_batch([ctx + o for o in opts])])
-    results = [None] * len(contexts)
-    order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))  # similar lengths share a batch
+    results, order = [None] * len(contexts), scoring_order(ctx_ids)
     for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
         batch = order[start:start + batch_size]
-        ids, mask = M.left_pad([ctx_ids[i] for i in batch], tok.pad_id, device)
         conts = [c for i in batch for c in cont_ids[i]]
         owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
         if all(len(c) == 1 for c in conts):
             # the longest 5-shot MMLU batch's cache (16 prompts of about 1,700 tokens) copied to its 4
-            # choices would take 13 GB for Qwen3-0.6B in bf16, and twice that in fp32
-            last = model(ids, attention_mask=mask, hidden_only=True)[:, -1]  # (B, hidden)
+            # choices would take 13 GB for Qwen3-0.6B in bf16, and twice that in fp32: no cache is kept
+            last = prefill(model, [ctx_ids[i] for i in batch], tok.pad_id, keep_cache=False)[2]  # (B, hidden)
             sums = model.token_logprobs(last[owner], torch.tensor([c[0] for c in conts], device=device)).tolist()
         else:
-            sums = continuation_sums(model, ids, mask, owner, conts, tok.pad_id)
+            sums = continuation_sums(model, [ctx_ids[i] for i in batch], owner, conts, tok.pad_id)
         k = 0
         for i in batch:
             results[i] = sums[k:k + len(cont_ids[i])]
@@ -86,13 +86,25 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     return results
 
 
-def continuation_sums(model, ids, mask, owner, conts, pad_id):
-    """Summed log-likelihood of each continuation conts[r] after context row owner[r] of the
-    left-padded batch (ids, mask): the contexts run once, their KV cache copied to the rows."""
-    device = ids.device
+def scoring_order(ctx_ids):
+    """Contexts in the order they are scored: those that open with the same
+    sample.SHARED_PROMPT_MIN tokens or more side by side (MMLU's questions of one subject,
+    after its shots), so that a batch runs what they share once (sample.prefill), each such
+    group's longest first; every other context after them, longest first (similar
+    lengths share a batch, with less padding)."""
+    lexical = sorted(range(len(ctx_ids)), key=lambda i: ctx_ids[i])  # a shared opening's contexts adjacent
+    group_of = prompt_groups([ctx_ids[i] for i in lexical])[0]
+    size = {g: group_of.count(g) for g in set(group_of)}
+    group = {i: g if size[g] > 1 else len(size) for i, g in zip(lexical, group_of)}
+    return sorted(range(len(ctx_ids)), key=lambda i: (group[i], -len(ctx_ids[i])))
+
+
+def continuation_sums(model, contexts, owner, conts, pad_id):
+    """Summed log-likelihood of each continuation conts[r] after context owner[r] (lists of
+    token ids): the contexts run once (sample.prefill), their KV cache copied to the rows."""
+    device = model.lm_head.weight.device
     L = max(len(c) for c in conts)
-    cache = model.new_cache(len(ids), ids.shape[1] + L, rows=len(owner))
-    last = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]  # (B, hidden)
+    cache, mask, last = prefill(model, contexts, pad_id, L, rows=len(owner))  # last: (B, hidden)
     cache.select_rows(owner)
     # continuations right-padded: padding after the real tokens never influences them
     c_ids = torch.full((len(conts), L), pad_id, dtype=torch.long, device=device)

@@ -494,6 +494,23 @@ class KVCache:
         self.v = [m[:len(sources)] for m in self.v_memory]
 
 
+class PrefixView:
+    """Rows of a KV cache read by other rows, as a cache for one pass: each layer's keys and
+    values of rows owner (the cache's `length` positions) come before the pass's own, copied
+    as that layer runs and dropped after it. A group of prompts that share a prefix runs
+    its rest after the prefix's cache this way when nothing is decoded after (scoring,
+    sample.prefill), holding one layer's copy at a time instead of every layer's for every
+    prompt."""
+
+    def __init__(self, cache, owner):
+        self.cache, self.owner, self.length, self.write_pos = cache, owner, cache.length, None
+
+    def update(self, layer, k, v):
+        keys, values = self.cache.k[layer], self.cache.v[layer]
+        return (torch.cat([keys[self.owner, :, :self.length], k.to(keys.dtype)], 2),
+                torch.cat([values[self.owner, :, :self.length], v.to(values.dtype)], 2))
+
+
 QUERY_BLOCK = 256
 
 

@@ -9,7 +9,8 @@ exactly one thing in this code base: tokens returned by this function for the cu
 weights.
 
 Prompts are left-padded into one batch; each prompt is prefilled once and its KV cache
-copied to its n samples. On the CPU, finished rows are dropped from the batch, so a long
+copied to its n samples, and consecutive prompts that open alike (few-shot evaluation's
+shots, OPD's cuts of one rollout) run their common tokens once (prefill). On the CPU, finished rows are dropped from the batch, so a long
 straggler does not make every other row pay for its tokens (each dropped row's place is
 taken by the last row, which alone moves in the cache: KVCache.select_rows); on CUDA the
 decode step is captured once as a CUDA graph at a fixed shape and replayed
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lora
-from model import InputError, left_pad, packed_weights
+from model import InputError, PrefixView, left_pad, packed_weights
 
 
 @dataclass
@@ -211,16 +212,77 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
                          progress, decode)
 
 
+SHARED_PROMPT_MIN = 16  # tokens that consecutive prompts must share to be prefilled once
+
+
+def common_length(a, b):
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def prompt_groups(prompt_ids):
+    """Consecutive prompts that open with SHARED_PROMPT_MIN or more tokens in common form a
+    group, prefilled once: evaluation's few-shot prompts share their shots, and OPD's
+    teacher continues each rollout from several cuts, each prompt a prefix of the next.
+    Returns (group of each prompt, index of each group's longest prompt: its trunk)."""
+    group_of, trunks = [], []
+    for i, p in enumerate(prompt_ids):
+        if i and common_length(prompt_ids[i - 1], p) >= SHARED_PROMPT_MIN:
+            group_of.append(len(trunks) - 1)
+            if len(p) > len(prompt_ids[trunks[-1]]):
+                trunks[-1] = i
+        else:
+            group_of.append(len(trunks))
+            trunks.append(i)
+    return group_of, trunks
+
+
+def prefill(model, prompt_ids, pad_id, max_new_tokens=0, rows=None, keep_cache=True):
+    """Run the prompts into a new KV cache with room for max_new_tokens more and memory for
+    `rows` rows. Returns (cache, mask of the cache's real positions, each prompt's last
+    final hidden state (B, hidden)). Where consecutive prompts share a prefix
+    (prompt_groups), each group's longest prompt runs alone and its cache is copied to the
+    group's rows; a row keeps the positions it shares with it, the rest masked out as
+    padding is (positions count real tokens only), and then the rest of each prompt, if
+    any, runs after them. keep_cache=False, for the last states alone: no cache is
+    returned, and the rest reads the group's cache layer by layer (model.PrefixView)."""
+    device = model.lm_head.weight.device
+    group_of, trunks = prompt_groups(prompt_ids)
+    if len(trunks) == len(prompt_ids):
+        ids, mask = left_pad(prompt_ids, pad_id, device)
+        cache = model.new_cache(len(ids), ids.shape[1] + max_new_tokens, rows=rows) if keep_cache else None
+        return cache, mask, model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]
+    trunk_ids, trunk_mask = left_pad([prompt_ids[t] for t in trunks], pad_id, device)
+    shared = [common_length(p, prompt_ids[trunks[g]]) for p, g in zip(prompt_ids, group_of)]
+    ids, rest_mask = left_pad([p[k:] for p, k in zip(prompt_ids, shared)], pad_id, device)
+    cache = model.new_cache(len(trunks), trunk_ids.shape[1] + ids.shape[1] + max_new_tokens, rows=rows)
+    trunk_hidden = model(trunk_ids, attention_mask=trunk_mask, cache=cache, hidden_only=True)
+    owner = torch.tensor(group_of, device=device)
+    if keep_cache:
+        cache.select_rows(owner)  # each row takes its group's, at or above it: in place
+    columns = torch.arange(trunk_ids.shape[1], device=device)
+    # the first column of the trunk each row does not share
+    ends = trunk_mask.shape[1] - torch.tensor([len(prompt_ids[trunks[g]]) - k for g, k in zip(group_of, shared)],
+                                              device=device)
+    mask = torch.cat([trunk_mask[owner] * (columns < ends[:, None]), rest_mask], 1)
+    last = trunk_hidden[owner, ends - 1]  # the state after the shared tokens: a prompt's last, where no rest follows
+    if ids.shape[1]:
+        rest_last = model(ids, attention_mask=mask, cache=cache if keep_cache else PrefixView(cache, owner),
+                          hidden_only=True)[:, -1]
+        last = torch.where(rest_mask.bool().any(1)[:, None], rest_last, last)
+    return cache if keep_cache else None, mask, last
+
+
 def _generate(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p, top_k, stop, seed, progress, decode):
     device = model.lm_head.weight.device
     prompt_ids = [list(p) if not isinstance(p, str) else tokenizer.encode(p) for p in prompts]
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("empty prompt: every prompt needs at least one token")
-    ids, mask = left_pad(prompt_ids, tokenizer.pad_id, device)
-    B, P = ids.shape
-
-    cache = model.new_cache(B, P + max_new_tokens, rows=B * n)
-    logits = model.next_token_logits(model(ids, attention_mask=mask, cache=cache, hidden_only=True))
+    B = len(prompt_ids)
+    cache, mask, last = prefill(model, prompt_ids, tokenizer.pad_id, max_new_tokens, rows=B * n)
+    logits = model.next_token_logits(last[:, None])
     if n > 1:
         cache.select_rows(torch.arange(B, device=device).repeat_interleave(n))
         mask = mask.repeat_interleave(n, dim=0)

@@ -5,10 +5,13 @@ and 8, fp32 and bf16, on whatever device is present. On CUDA, ours is timed with
 captured decode step (decode="graph", the default there) and without it ("dropping").
 Prints a table of tokens per second (each side's fastest round) and the ratio, ours over
 transformers (higher is better): the median of the rounds' ratios, each taken between
-two runs made back to back, with its range over the rounds.
+two runs made back to back, with its range over the rounds. With --shared-prefix N every
+prompt opens with the same N tokens before its own, as few-shot evaluation's prompts open
+with their shots: ours runs them once (sample.prefill), transformers once per prompt.
 
     python bench/sample.py                 # all four settings
     python bench/sample.py --dtypes bf16 --batches 8 --new-tokens 32
+    python bench/sample.py --dtypes bf16 --batches 8 --shared-prefix 700 --prompt-tokens 100 --new-tokens 16
 """
 import argparse
 
@@ -25,6 +28,7 @@ def main():
     p.add_argument("--batches", default="1,8")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--shared-prefix", type=int, default=0, help="tokens every prompt opens with, before its own")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds, implementations taking turns")
     args = p.parse_args()
     device = setup(args)
@@ -35,6 +39,7 @@ def main():
         ours, ref = build(args.config, dtype, device)
         for B in map(int, args.batches.split(",")):
             prompts = random_ids(args.config, (B, args.prompt_tokens), seed=B)
+            prompts = torch.cat([random_ids(args.config, (1, args.shared_prefix), seed=0).expand(B, -1), prompts], 1)
             ids, n = prompts.to(device), args.new_tokens
             run_ref = lambda n=n: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                                max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
@@ -56,7 +61,7 @@ def main():
                 steps.append((dtype_name, B, mode, f"{ms:.2f}", f"{step_ms[0]:.2f}", f"{t_products:.2f}",
                               f"{t_products / ms:.0%}", f"{step_ms[0] / t_products:.2f}x"))
             for i, (mode, t, out) in enumerate(zip(modes, t_ours, out_ours), start=1):
-                same = [r.completion_ids for r in out] == out_ref[:, args.prompt_tokens:].tolist()
+                same = [r.completion_ids for r in out] == out_ref[:, prompts.shape[1]:].tolist()
                 rows.append((dtype_name, B, mode, f"{B * n / t:.1f}", f"{B * n / t_ref:.1f}", *timing.ratio_cells(0, i),
                              "yes" if same else "no"))
                 print(*rows[-1], flush=True)

@@ -63,6 +63,16 @@ def test_group_bench_ends_rows_at_random_on_both_sides(tiny_model):
         assert 1 < ours < 20 and 1 < reference < 20, row
 
 
+def test_sample_bench_with_a_shared_prefix_runs_it_once_and_decodes_what_transformers_decodes(tiny_model, monkeypatch):
+    import sample
+    groups, plain_groups = [], sample.prompt_groups
+    monkeypatch.setattr(sample, "prompt_groups", lambda prompts: groups.append(plain_groups(prompts)) or groups[-1])
+    [speed, _] = bench("sample.py", "--config", tiny_model, "--batches", "3", "--shared-prefix", "20",
+                       "--new-tokens", "8", "--repeats", "1")
+    assert groups and all(trunks == [0] for _, trunks in groups), groups  # one group: the prefix runs once
+    assert speed[-1] == "yes", speed  # greedy tokens: transformers' own
+
+
 def test_train_step_bench_starts_from_the_same_loss(tiny_model):
     rows = bench("train_step.py", "--config", tiny_model, "--batch", "2", "--length", "16", "--rank", "4", "--steps", "1")
     rows, [anatomy] = rows[:2], rows[2:]  # the step table, then where the step's time goes

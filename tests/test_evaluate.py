@@ -14,6 +14,7 @@ import drift
 import evaluate as E
 import lora
 import model as M
+import sample
 from conftest import DEVICES, ROOT
 
 
@@ -53,18 +54,38 @@ def test_one_token_choices_are_scored_from_the_last_state_alone(tiny_model, data
     ours, tok = M.load(tiny_model)
     ref = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     dev, test = data.load_mmlu("dev", data_dir), data.load_mmlu("test", data_dir)
-    rows = [test["astronomy"][0], test["anatomy"][3], test["virology"][1]]
+    # three astronomy questions after the same shot, two anatomy ones, one of virology
+    rows = [test["astronomy"][0], test["anatomy"][3], test["astronomy"][1], test["virology"][1], test["astronomy"][2],
+            test["anatomy"][4]]
     contexts = [data.mmlu_prompt(r, dev[r["subject"]][:1]) for r in rows]
     # one token each under the test tokenizer, as ' A'..' D' are under Qwen3's (here ' B' is two)
     choices = [[" the", " and", " of", " to"]] * len(rows)
     assert all(len(tok.encode(c + o)) == len(tok.encode(c)) + 1 for c, opts in zip(contexts, choices) for o in opts)
 
-    def no_cache(*args):
-        raise AssertionError("one-token continuations need no KV cache")
-    monkeypatch.setattr(ours, "new_cache", no_cache)
-    got = E.score_choices(ours, tok, contexts, choices, batch_size=3)
+    # every subject's header opens alike: with Qwen3's tokenizer in fewer tokens than
+    # sample.SHARED_PROMPT_MIN, with this one's in more, so the bound is set above it here
+    header = sample.common_length(tok.encode(contexts[0]), tok.encode(contexts[1]))
+    assert sample.common_length(tok.encode(contexts[0]), tok.encode(contexts[2])) > header + 1
+    monkeypatch.setattr(sample, "SHARED_PROMPT_MIN", header + 1)
+    caches, plain_cache = [], ours.new_cache
+    monkeypatch.setattr(ours, "new_cache", lambda batch, *args, **kw: caches.append((batch, kw)) or plain_cache(batch, *args, **kw))
+    got = E.score_choices(ours, tok, contexts, choices, batch_size=6)
+    # a cache for the subjects' three trunks (the first pass), none for the six rows: the
+    # questions read their trunk's keys and values a layer at a time
+    assert caches == [(3, dict(rows=None))]
     for ctx, opts, scores in zip(contexts, choices, got):
         assert max(abs(s - brute_force(ref, tok, ctx, o)) for s, o in zip(scores, opts)) < 1e-4
+    caches.clear()
+    E.score_choices(ours, tok, contexts[:2], choices[:2], batch_size=5)  # no opening shared: no cache at all
+    assert caches == []
+
+
+def test_contexts_that_open_alike_are_scored_side_by_side_longest_first():
+    n = sample.SHARED_PROMPT_MIN
+    shots, other = list(range(100, 100 + n)), list(range(300, 300 + n))
+    contexts = [[5, 6], shots + [9], other + [1, 2, 3], shots + [1, 2, 3, 4], [7, 7, 7], other + [0], shots[:n - 1] + [8]]
+    # two groups (the shots' and the other opening's), each longest first; then the rest
+    assert E.scoring_order(contexts) == [3, 1, 2, 5, 6, 4, 0]
 
 
 def test_mc2_score():

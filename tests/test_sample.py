@@ -108,6 +108,47 @@ def test_seed_reproduces_and_shared_prefill_equals_separate_calls(loaded):
             assert alone.completion_ids == shared.completion_ids
 
 
+def test_prompt_groups_gather_consecutive_prompts_with_a_long_common_opening_under_the_longest():
+    n = sample.SHARED_PROMPT_MIN
+    shots = list(range(100, 100 + n + 4))
+    prompts = [shots + [1, 2], shots + [3], shots[:n] + [4, 5], [7] * (n + 3), [7] * (n + 3), shots + [1, 2], shots[:n]]
+    # the first three share n tokens or more with the one before; then an identical pair;
+    # the last two: a prompt and a prefix of it, as a rollout's cuts are
+    assert sample.prompt_groups(prompts) == ([0, 0, 0, 1, 1, 2, 2], [0, 3, 5])
+    rollout = list(range(200, 240))
+    assert sample.prompt_groups([rollout[:t] for t in (n, n + 5, 40)]) == ([0, 0, 0], [2])
+    assert sample.prompt_groups([rollout[:n - 1], rollout]) == ([0, 1], [0, 1])  # one token too few
+
+
+def test_prompts_sharing_a_prefix_prefill_it_once_and_sample_what_each_alone_samples(loaded, monkeypatch):
+    import data
+    ours, tok = loaded
+    shot = dict(question="Janet has 3 apples and buys 5 more. How many apples does she have?", answer="3 + 5 = 8. #### 8")
+    rollout = tok.encode(PROMPTS[1]) + tok.encode(" She earns 12 / 60 = 0.2 a minute")
+    prompts = ([data.gsm8k_prompt(q, [shot]) for q in ("What is 2 + 2?", "A pen costs 4 dollars. What do 3 cost?")]
+               + [PROMPTS[0]] + [rollout[:t] for t in (len(rollout) - 9, len(rollout) - 4, len(rollout))])
+    first_pass = []
+    plain_forward = ours.forward
+    monkeypatch.setattr(ours, "forward", lambda ids, **k: first_pass.append(ids.shape) or plain_forward(ids, **k))
+    for decode in ("dropping", "fixed"):
+        for kwargs in (dict(temperature=0), dict(n=2, seed=4)):
+            first_pass.clear()
+            shared = generate(ours, tok, prompts, max_new_tokens=10, decode=decode, **kwargs)
+            # the two few-shot prompts, the lone prompt, the rollout's three cuts: one row each
+            assert first_pass[0][0] == 3
+            monkeypatch.setattr(sample, "SHARED_PROMPT_MIN", 10 ** 6)
+            first_pass.clear()
+            alone = generate(ours, tok, prompts, max_new_tokens=10, decode=decode, **kwargs)
+            assert first_pass[0][0] == len(prompts)
+            monkeypatch.undo()
+            monkeypatch.setattr(ours, "forward", lambda ids, **k: first_pass.append(ids.shape) or plain_forward(ids, **k))
+            for s, a in zip(shared, alone):
+                assert (s.prompt_ids, s.completion_ids, s.finish_reason) == (a.prompt_ids, a.completion_ids, a.finish_reason)
+                assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(a.logprobs), atol=1e-5)
+            for r in shared:  # and they are the model's own log-probs of its tokens
+                assert torch.allclose(torch.tensor(r.logprobs), scored(ours, r), atol=1e-4)
+
+
 def test_text_is_cut_at_the_earliest_of_the_stop_strings():
     import data
     # GSM8K's two stop strings both occur here; the blank line before "Question" comes first
