@@ -60,7 +60,8 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     what contexts share at their start (MMLU's shots of one subject, TruthfulQA's
     6-shot primer) is run once for a batch (scoring_order, sample.prefill). When
     every continuation of a batch is one token (MMLU's ' A'..' D'), the context's last
-    state alone scores them: no cache, no copies of it, no second pass.
+    state alone scores them: no cache for its rows, no copies of it, no pass over the
+    continuations.
     Returns a list of lists of floats."""
     device = model.lm_head.weight.device
     ctx_ids = tok.encode_batch(contexts)

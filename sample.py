@@ -10,11 +10,12 @@ weights.
 
 Prompts are left-padded into one batch; each prompt is prefilled once and its KV cache
 copied to its n samples, and consecutive prompts that open alike (few-shot evaluation's
-shots, OPD's cuts of one rollout) run their common tokens once (prefill). On the CPU, finished rows are dropped from the batch, so a long
-straggler does not make every other row pay for its tokens (each dropped row's place is
-taken by the last row, which alone moves in the cache: KVCache.select_rows); on CUDA the
-decode step is captured once as a CUDA graph at a fixed shape and replayed
-(FixedShapeDecoder), which matters more there than the rows saved. A policy's LoRA
+shots, OPD's cuts of one rollout) run their common tokens once (prefill). On the CPU,
+finished rows are dropped from the batch, so a long straggler does not make every other
+row pay for its tokens (each dropped row's place is taken by the last row, which alone
+moves in the cache: KVCache.select_rows); on CUDA the decode step is captured once as a
+CUDA graph at a fixed shape and replayed (FixedShapeDecoder), which matters more there
+than the rows saved. A policy's LoRA
 adapter is folded into a copy of the weights it adapts for the length of a call
 (lora.folded_adapter), so sampling from an adapted policy costs what sampling from the
 plain model does. In bf16 on the CPU (and in fp32 on AMD CPUs) the decoder layers'
