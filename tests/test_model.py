@@ -650,7 +650,9 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model, dropout):
     m.train()
     seqs = [tok.encode(f"Question: {i} apples and {i + 3} pears cost {7 * i} dollars.\nAnswer: yes") for i in range(6)]
     seqs += [tok.encode("Answer: 7 pears"), tok.encode("Answer: 12 eggs")]  # these two share a row
+    seqs += prefix_batch(tok)[0]  # and these their common prefixes
     assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)
+    assert sum(map(len, M.pack_rows(seqs)[0])) < sum(map(len, seqs))
     results = {}
     for recompute in (False, True):
         m.recompute = recompute
