@@ -440,6 +440,7 @@ class KVCache:
         self.length = 0
         self.max_len = max_len
         self.write_pos = None  # a 1-element tensor in fixed-shape decoding (Qwen3.decode_step)
+        self.shared = None  # SharedColumns, where rows were copied from a common prompt (sample.prefill)
 
     def update(self, layer, k, v):
         k, v = k.to(self.k[layer].dtype), v.to(self.v[layer].dtype)  # bf16 into an fp32 cache: exact
@@ -492,6 +493,65 @@ class KVCache:
                     memory[layer][:, :, :self.length] = old[:, :, :self.length].index_select(0, index)
         self.k = [m[:len(sources)] for m in self.k_memory]
         self.v = [m[:len(sources)] for m in self.v_memory]
+        if self.shared is not None:
+            self.shared = SharedColumns(self.shared.width, [self.shared.group[s] for s in sources])
+
+
+class SharedColumns:
+    """Rows of a KV cache that hold the same keys and values in their first `width`
+    columns, copied from one prompt's (sample.prefill): group[r] names row r's source, and
+    a decode step on the CPU reads those columns once per group rather than once per row
+    (shared_prefix_attention)."""
+
+    def __init__(self, width, group):
+        self.width, self.group = width, list(group)
+        rows = {}
+        for r, g in enumerate(self.group):
+            rows.setdefault(g, []).append(r)
+        # (rows of a group, the row whose columns are read for all of them)
+        self.groups = [(torch.tensor(members), members[0]) for members in rows.values()]
+        self.any_shared = len(rows) < len(self.group)
+
+    def pay(self, length):
+        """Whether reading the columns once per group beats SDPA over every row's copy, for
+        a cache of `length` columns: where some rows share and the shared columns are more
+        than a third of them. At Qwen3-0.6B's heads in fp32 on 2 cores of an AMD EPYC, 64
+        rows in 8 groups ran at 0.90x SDPA's speed with 32 shared and 64 own columns, 1.11x
+        with 96 and 128, 1.42x with 96 and 8; 16 rows of one group at 3.0x with 900 and 120."""
+        return self.any_shared and 3 * self.width > length
+
+
+def shared_prefix_attention(q, k, v, mask, shared):
+    """One query per row (q (R, heads, 1, head_dim)) over a cache's keys and values (R,
+    kv_heads, L, head_dim) under mask (R, 1, 1, L), where rows of a group hold the same
+    keys and values in columns [0, shared.width): those are read once for the group, all its
+    rows' queries against them in one product, and the rest row by row; the two parts'
+    softmax weights share one maximum, so they add up to the one softmax over all L. For a
+    decode step after a long common prompt, as GSM8K's 5-shot evaluation runs, the cache
+    reads fall by the group's size: 16 rows of 900 common and 120 own positions at Qwen3-0.6B's
+    heads took 4.3 ms a layer against 14.3 ms for SDPA over every row's copy (fp32, 2 cores
+    of an AMD EPYC), 3e-7 from its output. Computed in fp32."""
+    R, heads, _, d = q.shape
+    kv, width = k.shape[1], shared.width
+    rep = heads // kv
+    q = (q.float() * d ** -0.5).view(R, kv, rep, d)
+    own_v = v[:, :, width:].float()
+    own_scores = torch.matmul(q, k[:, :, width:].float().transpose(-1, -2))  # (R, kv, rep, L - width)
+    own_scores.masked_fill_(~mask[:, :, :, width:], float("-inf"))
+    prefix_scores = q.new_empty(R, kv, rep, width)
+    for rows, lead in shared.groups:
+        group_q = q[rows].transpose(0, 1).reshape(kv, len(rows) * rep, d)
+        scores = torch.matmul(group_q, k[lead, :, :width].float().transpose(-1, -2))  # (kv, rows * rep, width)
+        prefix_scores[rows] = scores.view(kv, len(rows), rep, width).transpose(0, 1)
+    prefix_scores.masked_fill_(~mask[:, :, :, :width], float("-inf"))
+    top = torch.maximum(prefix_scores.amax(-1, keepdim=True), own_scores.amax(-1, keepdim=True))
+    prefix_weights, own_weights = prefix_scores.sub_(top).exp_(), own_scores.sub_(top).exp_()
+    total = prefix_weights.sum(-1, keepdim=True) + own_weights.sum(-1, keepdim=True)
+    out = torch.matmul(own_weights, own_v)  # (R, kv, rep, d)
+    for rows, lead in shared.groups:
+        weights = prefix_weights[rows].transpose(0, 1).reshape(kv, len(rows) * rep, width)
+        out[rows] += torch.matmul(weights, v[lead, :, :width].float()).view(kv, len(rows), rep, d).transpose(0, 1)
+    return (out / total).view(R, heads, 1, d)
 
 
 class PrefixView:
@@ -503,7 +563,7 @@ class PrefixView:
     prompt."""
 
     def __init__(self, cache, owner):
-        self.cache, self.owner, self.length, self.write_pos = cache, owner, cache.length, None
+        self.cache, self.owner, self.length, self.write_pos, self.shared = cache, owner, cache.length, None, None
 
     def update(self, layer, k, v):
         keys, values = self.cache.k[layer], self.cache.v[layer]
@@ -559,10 +619,14 @@ class Attention(nn.Module):
         k = self.k_norm(k.view(B, T, self.n_kv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.hd).transpose(1, 2)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        shared = cache.shared if cache is not None else None
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        # over a cache kept in fp32 for a bf16 model (kv_cache_dtype) attention runs in fp32
-        y = attend(q.to(k.dtype), k, v, mask, gqa=self.n_kv != self.n_head).to(q.dtype)
+        if T == 1 and shared is not None and shared.pay(k.shape[2]) and cache.write_pos is None and x.device.type == "cpu":
+            y = shared_prefix_attention(q, k, v, mask, shared).to(q.dtype)  # a decode step after common prompts
+        else:
+            # over a cache kept in fp32 for a bf16 model (kv_cache_dtype) attention runs in fp32
+            y = attend(q.to(k.dtype), k, v, mask, gqa=self.n_kv != self.n_head).to(q.dtype)
         return project(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd), self.packed.get("o"), self.o_proj)[0]
 
 

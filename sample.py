@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 import lora
-from model import InputError, PrefixView, left_pad, packed_weights
+from model import InputError, PrefixView, SharedColumns, left_pad, packed_weights
 
 
 @dataclass
@@ -254,7 +254,10 @@ def prefill(model, prompt_ids, pad_id, max_new_tokens=0, rows=None, keep_cache=T
     if len(trunks) == len(prompt_ids):
         ids, mask = left_pad(prompt_ids, pad_id, device)
         cache = model.new_cache(len(ids), ids.shape[1] + max_new_tokens, rows=rows) if keep_cache else None
-        return cache, mask, model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]
+        last = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]
+        if keep_cache:
+            cache.shared = SharedColumns(ids.shape[1], range(len(ids)))  # each prompt's rows, once it has several
+        return cache, mask, last
     trunk_ids, trunk_mask = left_pad([prompt_ids[t] for t in trunks], pad_id, device)
     shared = [common_length(p, prompt_ids[trunks[g]]) for p, g in zip(prompt_ids, group_of)]
     ids, rest_mask = left_pad([p[k:] for p, k in zip(prompt_ids, shared)], pad_id, device)
@@ -262,6 +265,7 @@ def prefill(model, prompt_ids, pad_id, max_new_tokens=0, rows=None, keep_cache=T
     trunk_hidden = model(trunk_ids, attention_mask=trunk_mask, cache=cache, hidden_only=True)
     owner = torch.tensor(group_of, device=device)
     if keep_cache:
+        cache.shared = SharedColumns(trunk_ids.shape[1], range(len(trunks)))
         cache.select_rows(owner)  # each row takes its group's, at or above it: in place
     columns = torch.arange(trunk_ids.shape[1], device=device)
     # the first column of the trunk each row does not share

@@ -125,6 +125,34 @@ def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, mo
         assert (x - y).abs().max() <= 1e-5 * x.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_over_shared_columns_once_per_group_equals_attention_over_every_rows_copy(dtype):
+    import torch.nn.functional as F
+    g = torch.Generator().manual_seed(0)
+    rows, heads, kv, d, width, length = 6, 4, 2, 8, 7, 12
+    group = [0, 0, 1, 1, 1, 2]  # the last row alone in its group
+    k, v = (torch.randn(rows, kv, length, d, generator=g).to(dtype) for _ in range(2))
+    for t in (k, v):
+        for r, source in enumerate(group):  # a group's rows hold copies of its first row's columns
+            t[r, :, :width] = t[group.index(source), :, :width]
+    q = torch.randn(rows, heads, 1, d, generator=g).to(dtype)
+    mask = torch.rand(rows, 1, 1, length, generator=g) > 0.3  # some shared columns masked for some rows
+    mask[:, :, :, -1] = True
+    mask[1, :, :, width:] = False  # a row that sees shared columns only
+    mask[2, :, :, :width] = False  # and one that sees none
+    got = M.shared_prefix_attention(q, k, v, mask, M.SharedColumns(width, group))
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    assert got.dtype == torch.float32 and (got - expected).abs().max() < 1e-5
+    # the columns are read from each group's first row alone: the others' copies do not count
+    for t in (k, v):
+        t[[1, 3, 4], :, :width] = float("nan")
+    assert torch.equal(M.shared_prefix_attention(q, k, v, mask, M.SharedColumns(width, group)), got)
+    shared = M.SharedColumns(width, group)
+    assert shared.any_shared and not M.SharedColumns(width, range(rows)).any_shared
+    assert shared.pay(3 * width - 1) and not shared.pay(3 * width)  # shared columns more than a third
+    assert not M.SharedColumns(width, range(rows)).pay(width)
+
+
 @pytest.mark.parametrize("batch, index, in_place", [
     (3, [0, 0, 1, 1, 2, 2], True),  # repeating prompts for their samples: from the last row back
     (6, [0, 5, 2, 4], True),  # rows 1 and 3 left out, their places taken by the last rows kept

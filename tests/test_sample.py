@@ -120,13 +120,18 @@ def test_prompt_groups_gather_consecutive_prompts_with_a_long_common_opening_und
     assert sample.prompt_groups([rollout[:n - 1], rollout]) == ([0, 1], [0, 1])  # one token too few
 
 
-def test_prompts_sharing_a_prefix_prefill_it_once_and_sample_what_each_alone_samples(loaded, monkeypatch):
+def prompts_opening_alike(tok):
+    """Two 1-shot GSM8K prompts, a prompt of its own, and a rollout cut at three points."""
     import data
-    ours, tok = loaded
     shot = dict(question="Janet has 3 apples and buys 5 more. How many apples does she have?", answer="3 + 5 = 8. #### 8")
     rollout = tok.encode(PROMPTS[1]) + tok.encode(" She earns 12 / 60 = 0.2 a minute")
-    prompts = ([data.gsm8k_prompt(q, [shot]) for q in ("What is 2 + 2?", "A pen costs 4 dollars. What do 3 cost?")]
-               + [PROMPTS[0]] + [rollout[:t] for t in (len(rollout) - 9, len(rollout) - 4, len(rollout))])
+    return ([data.gsm8k_prompt(q, [shot]) for q in ("What is 2 + 2?", "A pen costs 4 dollars. What do 3 cost?")]
+            + [PROMPTS[0]] + [rollout[:t] for t in (len(rollout) - 9, len(rollout) - 4, len(rollout))])
+
+
+def test_prompts_sharing_a_prefix_prefill_it_once_and_sample_what_each_alone_samples(loaded, monkeypatch):
+    ours, tok = loaded
+    prompts = prompts_opening_alike(tok)
     first_pass = []
     plain_forward = ours.forward
     monkeypatch.setattr(ours, "forward", lambda ids, **k: first_pass.append(ids.shape) or plain_forward(ids, **k))
@@ -147,6 +152,26 @@ def test_prompts_sharing_a_prefix_prefill_it_once_and_sample_what_each_alone_sam
                 assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(a.logprobs), atol=1e-5)
             for r in shared:  # and they are the model's own log-probs of its tokens
                 assert torch.allclose(torch.tensor(r.logprobs), scored(ours, r), atol=1e-4)
+
+
+def test_decode_steps_read_common_prompts_once_and_sample_what_every_rows_copy_gives(loaded, monkeypatch):
+    import torch.nn.functional as F
+    ours, tok = loaded
+    prompts = prompts_opening_alike(tok)
+    groups, plain = [], M.shared_prefix_attention
+    monkeypatch.setattr(M, "shared_prefix_attention", lambda *args: groups.append(len(args[-1].groups)) or plain(*args))
+    free = generate(ours, tok, prompts, n=2, max_new_tokens=10, seed=4)
+    stop = (next(r for r in free if len(r.text) > 8).text[4:7],)
+    groups.clear()
+    once = generate(ours, tok, prompts, n=2, max_new_tokens=10, seed=4, stop=stop)
+    # three groups of prompts, their samples with them, and rows that stopped early leaving them
+    assert set(groups) == {3} and {r.finish_reason for r in once} >= {"stop", "length"}
+    monkeypatch.setattr(M, "shared_prefix_attention", lambda q, k, v, mask, shared: F.scaled_dot_product_attention(
+        q.to(k.dtype), k, v, attn_mask=mask, enable_gqa=True))
+    every_copy = generate(ours, tok, prompts, n=2, max_new_tokens=10, seed=4, stop=stop)
+    for a, b in zip(once, every_copy):
+        assert (a.completion_ids, a.finish_reason) == (b.completion_ids, b.finish_reason)
+        assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
 
 
 def test_text_is_cut_at_the_earliest_of_the_stop_strings():
