@@ -68,7 +68,8 @@ def test_one_token_choices_are_scored_from_the_last_state_alone(tiny_model, data
     assert sample.common_length(tok.encode(contexts[0]), tok.encode(contexts[2])) > header + 1
     monkeypatch.setattr(sample, "SHARED_PROMPT_MIN", header + 1)
     caches, plain_cache = [], ours.new_cache
-    monkeypatch.setattr(ours, "new_cache", lambda batch, *args, **kw: caches.append((batch, kw)) or plain_cache(batch, *args, **kw))
+    monkeypatch.setattr(ours, "new_cache",
+                        lambda batch, *args, **kw: caches.append((batch, kw)) or plain_cache(batch, *args, **kw))
     got = E.score_choices(ours, tok, contexts, choices, batch_size=6)
     # a cache for the subjects' three trunks (the first pass), none for the six rows: the
     # questions read their trunk's keys and values a layer at a time
