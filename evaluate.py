@@ -14,6 +14,7 @@ comes with its standard error over the questions as lm-evaluation-harness gives 
 forgetting with one that pairs each question with the base model's answer to it.
 """
 import argparse
+import collections
 import itertools
 import json
 import math
@@ -95,7 +96,7 @@ def scoring_order(ctx_ids):
     lengths share a batch, with less padding)."""
     lexical = sorted(range(len(ctx_ids)), key=lambda i: ctx_ids[i])  # a shared opening's contexts adjacent
     group_of = prompt_groups([ctx_ids[i] for i in lexical])[0]
-    size = {g: group_of.count(g) for g in set(group_of)}
+    size = collections.Counter(group_of)
     group = {i: g if size[g] > 1 else len(size) for i, g in zip(lexical, group_of)}
     return sorted(range(len(ctx_ids)), key=lambda i: (group[i], -len(ctx_ids[i])))
 

@@ -506,8 +506,9 @@ def micro_batches(lengths, grad_accum, max_tokens):
     most max_tokens tokens as it runs, padding included (0: no bound), in rows as long as
     its longest sequence that short sequences share (model.fill_rows); a sequence longer
     than that alone. Sequences with common prefixes run in fewer tokens than this counts
-    (model.pack_rows), so the bound holds for them too. The scripts weigh each micro-batch by its share of the step's tokens,
-    so any split gives the same update up to float rounding."""
+    (model.pack_rows), so the bound holds for them too. The scripts weigh each micro-batch
+    by its share of the step's tokens, so any split gives the same update up to float
+    rounding."""
     most_sequences = math.ceil(len(lengths) / grad_accum)
     ranges, lo = [], 0
     for i in range(1, len(lengths)):

@@ -15,13 +15,12 @@ finished rows are dropped from the batch, so a long straggler does not make ever
 row pay for its tokens (each dropped row's place is taken by the last row, which alone
 moves in the cache: KVCache.select_rows); on CUDA the decode step is captured once as a
 CUDA graph at a fixed shape and replayed (FixedShapeDecoder), which matters more there
-than the rows saved. A policy's LoRA
-adapter is folded into a copy of the weights it adapts for the length of a call
-(lora.folded_adapter), so sampling from an adapted policy costs what sampling from the
-plain model does. In bf16 on the CPU (and in fp32 on AMD CPUs) the decoder layers'
-weights and the output layer's are also packed for oneDNN for the length of a call
-(model.packed_weights): four stacked products per layer instead of seven, each streaming
-its weights faster.
+than the rows saved. A policy's LoRA adapter is folded into a copy of the weights it
+adapts for the length of a call (lora.folded_adapter), so sampling from an adapted policy
+costs what sampling from the plain model does. In bf16 on the CPU (and in fp32 on AMD
+CPUs) the decoder layers' weights and the output layer's are also packed for oneDNN for
+the length of a call (model.packed_weights): four stacked products per layer instead of
+seven, each streaming its weights faster.
 """
 import contextlib
 import os
@@ -261,16 +260,16 @@ def prefill(model, prompt_ids, pad_id, max_new_tokens=0, rows=None, keep_cache=T
     trunk_ids, trunk_mask = left_pad([prompt_ids[t] for t in trunks], pad_id, device)
     shared = [common_length(p, prompt_ids[trunks[g]]) for p, g in zip(prompt_ids, group_of)]
     ids, rest_mask = left_pad([p[k:] for p, k in zip(prompt_ids, shared)], pad_id, device)
-    cache = model.new_cache(len(trunks), trunk_ids.shape[1] + ids.shape[1] + max_new_tokens, rows=rows)
+    width = trunk_ids.shape[1]
+    cache = model.new_cache(len(trunks), width + ids.shape[1] + max_new_tokens, rows=rows)
     trunk_hidden = model(trunk_ids, attention_mask=trunk_mask, cache=cache, hidden_only=True)
     owner = torch.tensor(group_of, device=device)
     if keep_cache:
-        cache.shared = SharedColumns(trunk_ids.shape[1], range(len(trunks)))
+        cache.shared = SharedColumns(width, range(len(trunks)))
         cache.select_rows(owner)  # each row takes its group's, at or above it: in place
-    columns = torch.arange(trunk_ids.shape[1], device=device)
+    columns = torch.arange(width, device=device)
     # the first column of the trunk each row does not share
-    ends = trunk_mask.shape[1] - torch.tensor([len(prompt_ids[trunks[g]]) - k for g, k in zip(group_of, shared)],
-                                              device=device)
+    ends = width - torch.tensor([len(prompt_ids[trunks[g]]) - k for g, k in zip(group_of, shared)], device=device)
     mask = torch.cat([trunk_mask[owner] * (columns < ends[:, None]), rest_mask], 1)
     last = trunk_hidden[owner, ends - 1]  # the state after the shared tokens: a prompt's last, where no rest follows
     if ids.shape[1]:

@@ -27,7 +27,7 @@ With --gsm8k-batch N the batch is instead sft.py's first batch of N GSM8K traini
 examples at their own lengths (question, answer and the loss on the answer tokens, as
 sft.py trains; lengths in tokens are the texts' characters over 4, since Qwen3's tokenizer
 is not at hand offline: the spread of lengths is what matters here). It times ours with
-short sequences sharing rows (model.fill_rows, what the scripts run), ours with one row
+short sequences sharing rows (model.pack_rows, what the scripts run), ours with one row
 per sequence, right-padded, and peft on the same right-padded batch with its attention
 mask and the padding and prompts left out of the loss, as TRL pads a batch
 (--without-peft: the first two alone, the second the reference). --group-size K makes it

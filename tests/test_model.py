@@ -96,7 +96,7 @@ def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, mo
     randomize_adapter(ours)
     a, b = two_sequences(tok)
     ids, mask = M.left_pad([a, b], tok.pad_id)
-    sequences = [a, b, a[:9], b[:5]]  # the short ones share a row: the segments mask
+    sequences = [a, b, a[:9], b[:5]]  # the short ones share a row: a mask of who sees whom
     plain_sdpa, queries = F.scaled_dot_product_attention, []
     monkeypatch.setattr(M.F, "scaled_dot_product_attention",
                         lambda q, *args, **kwargs: queries.append(q.shape[2]) or plain_sdpa(q, *args, **kwargs))
@@ -140,14 +140,14 @@ def test_attention_over_shared_columns_once_per_group_equals_attention_over_ever
     mask[:, :, :, -1] = True
     mask[1, :, :, width:] = False  # a row that sees shared columns only
     mask[2, :, :, :width] = False  # and one that sees none
-    got = M.shared_prefix_attention(q, k, v, mask, M.SharedColumns(width, group))
+    shared = M.SharedColumns(width, group)
+    got = M.shared_prefix_attention(q, k, v, mask, shared)
     expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
     assert got.dtype == torch.float32 and (got - expected).abs().max() < 1e-5
     # the columns are read from each group's first row alone: the others' copies do not count
     for t in (k, v):
         t[[1, 3, 4], :, :width] = float("nan")
-    assert torch.equal(M.shared_prefix_attention(q, k, v, mask, M.SharedColumns(width, group)), got)
-    shared = M.SharedColumns(width, group)
+    assert torch.equal(M.shared_prefix_attention(q, k, v, mask, shared), got)
     assert shared.any_shared and not M.SharedColumns(width, range(rows)).any_shared
     assert shared.pay(3 * width - 1) and not shared.pay(3 * width)  # shared columns more than a third
     assert not M.SharedColumns(width, range(rows)).pay(width)

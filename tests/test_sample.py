@@ -132,8 +132,7 @@ def prompts_opening_alike(tok):
 def test_prompts_sharing_a_prefix_prefill_it_once_and_sample_what_each_alone_samples(loaded, monkeypatch):
     ours, tok = loaded
     prompts = prompts_opening_alike(tok)
-    first_pass = []
-    plain_forward = ours.forward
+    first_pass, plain_forward, shared_min = [], ours.forward, sample.SHARED_PROMPT_MIN
     monkeypatch.setattr(ours, "forward", lambda ids, **k: first_pass.append(ids.shape) or plain_forward(ids, **k))
     for decode in ("dropping", "fixed"):
         for kwargs in (dict(temperature=0), dict(n=2, seed=4)):
@@ -145,8 +144,7 @@ def test_prompts_sharing_a_prefix_prefill_it_once_and_sample_what_each_alone_sam
             first_pass.clear()
             alone = generate(ours, tok, prompts, max_new_tokens=10, decode=decode, **kwargs)
             assert first_pass[0][0] == len(prompts)
-            monkeypatch.undo()
-            monkeypatch.setattr(ours, "forward", lambda ids, **k: first_pass.append(ids.shape) or plain_forward(ids, **k))
+            monkeypatch.setattr(sample, "SHARED_PROMPT_MIN", shared_min)
             for s, a in zip(shared, alone):
                 assert (s.prompt_ids, s.completion_ids, s.finish_reason) == (a.prompt_ids, a.completion_ids, a.finish_reason)
                 assert torch.allclose(torch.tensor(s.logprobs), torch.tensor(a.logprobs), atol=1e-5)
