@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import InputError, fill_rows, linear, number, read_json, read_safetensors_file
+from model import InputError, linear, number, pack_rows, read_json, read_safetensors_file
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -500,23 +500,38 @@ def optimizer_step(optimizer, step, total_steps, args):
     return lr, grad_norm
 
 
-def micro_batches(lengths, grad_accum, max_tokens):
-    """[lo, hi) ranges splitting a step's sequences, in their order, into the micro-batches
-    that each run one forward and backward pass: at least grad_accum of them, and each at
-    most max_tokens tokens as it runs, padding included (0: no bound), in rows as long as
-    its longest sequence that short sequences share (model.fill_rows); a sequence longer
-    than that alone. Sequences with common prefixes run in fewer tokens than this counts
-    (model.pack_rows), so the bound holds for them too. The scripts weigh each micro-batch
-    by its share of the step's tokens, so any split gives the same update up to float
-    rounding."""
-    most_sequences = math.ceil(len(lengths) / grad_accum)
+def micro_batches(sequences, grad_accum, max_tokens):
+    """[lo, hi) ranges splitting a step's sequences (token lists), in their order, into the
+    micro-batches that each run one forward and backward pass: at least grad_accum of
+    them, and each at most max_tokens tokens as sequence_states lays it out, padding
+    included (0: no bound): rows as long as its longest sequence, shared by short
+    sequences and by common prefixes (model.pack_rows), so that OPD's continuations of
+    one rollout, or RL's samples of one prompt, may fit more to a pass than their lengths
+    alone would. A sequence longer than the bound runs alone. The scripts weigh each
+    micro-batch by its share of the step's tokens, so any split gives the same update up
+    to float rounding."""
+    most_sequences = math.ceil(len(sequences) / grad_accum)
+
+    def fits(lo, hi):
+        part = sequences[lo:hi]
+        longest = max(map(len, part))
+        return hi - lo <= most_sequences and (max_tokens == 0 or hi - lo == 1 or len(part) * longest <= max_tokens
+                                              or len(pack_rows(part)[0]) * longest <= max_tokens)
+
     ranges, lo = [], 0
-    for i in range(1, len(lengths)):
-        part = lengths[lo:i + 1]
-        if i - lo == most_sequences or 0 < max_tokens < len(fill_rows(part)) * max(part):
-            ranges.append((lo, i))
-            lo = i
-    return ranges + [(lo, len(lengths))] if lengths else ranges
+    while lo < len(sequences):
+        # the longest run of sequences from lo that fits: doubling, then halving the gap,
+        # lays out O(log n) candidates rather than one for each sequence added
+        good, step = lo + 1, 1
+        while good + step <= len(sequences) and fits(lo, good + step):
+            good, step = good + step, step * 2
+        bad = min(good + step, len(sequences) + 1)
+        while bad - good > 1:
+            middle = (good + bad) // 2
+            good, bad = (middle, bad) if fits(lo, middle) else (good, middle)
+        ranges.append((lo, good))
+        lo = good
+    return ranges
 
 
 def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):

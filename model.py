@@ -1011,17 +1011,6 @@ def left_pad(seqs, pad_id, device=None):
     return ids.to(device), mask.to(device)
 
 
-def fill_rows(lengths):
-    """Sequence indices grouped into rows as long as the longest sequence, each sequence in
-    the first row with room for it, longest first (first-fit decreasing): pack_rows'
-    rows for sequences that share no prefix, from their lengths alone (lora.micro_batches'
-    bound on a micro-batch's tokens)."""
-    placed, rows = pack_rows([[0] * n for n in lengths], share_prefixes=False)[1], {}
-    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):  # rows open in this order
-        rows.setdefault(placed[b][0], []).append(b)
-    return list(rows.values())
-
-
 SHARED_PREFIX_MIN = 16  # tokens a sequence must share with a row to be laid out on its prefix
 
 

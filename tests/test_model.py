@@ -679,7 +679,7 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model, dropout):
     seqs = [tok.encode(f"Question: {i} apples and {i + 3} pears cost {7 * i} dollars.\nAnswer: yes") for i in range(6)]
     seqs += [tok.encode("Answer: 7 pears"), tok.encode("Answer: 12 eggs")]  # these two share a row
     seqs += prefix_batch(tok)[0]  # and these their common prefixes
-    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)
+    assert len(M.pack_rows(seqs, share_prefixes=False)[0]) < len(seqs)
     assert sum(map(len, M.pack_rows(seqs)[0])) < sum(map(len, seqs))
     results = {}
     for recompute in (False, True):
@@ -1085,14 +1085,13 @@ def test_packing_is_skipped_where_onednns_linear_is_missing_or_wrong(monkeypatch
     M.onednn_linear_works.cache_clear()
 
 
-def test_fill_rows_puts_each_sequence_once_in_a_row_with_room_longest_first():
+def test_pack_rows_without_sharing_is_first_fit_decreasing():
     lengths = [5, 9, 2, 4, 7, 3, 9]
-    rows = M.fill_rows(lengths)
-    assert sorted(b for row in rows for b in row) == list(range(len(lengths)))
-    assert all(sum(lengths[b] for b in row) <= max(lengths) for row in rows)
+    rows, placed = M.pack_rows([[b] * n for b, n in enumerate(lengths)], share_prefixes=False)
     # 9 | 9 | 7+2 | 5+4 | 3: each in the first row with room, in decreasing length
-    assert rows == [[1], [6], [4, 2], [0, 3], [5]]
-    assert M.fill_rows([4, 4, 4]) == [[0], [1], [2]]
+    assert [r for r, _ in placed] == [3, 0, 2, 3, 2, 4, 1]
+    assert rows[2] == [4] * 7 + [2] * 2 and [len(row) for row in rows] == [9, 9, 9, 9, 3]
+    assert [r for r, _ in M.pack_rows([[1] * 4] * 3, share_prefixes=False)[1]] == [0, 1, 2]
 
 
 def test_pack_rows_lays_a_shared_prefix_out_once_where_it_is_long_enough():
@@ -1111,20 +1110,19 @@ def test_pack_rows_lays_a_shared_prefix_out_once_where_it_is_long_enough():
     assert [len(row) for row in rows] == [n + 12, n + 10, n + 9]
     assert placed[3][1] == placed[0][1][:n + 2] and placed[5][1] == placed[0][1]
     assert placed[1][1] == placed[0][1][:n] + [n + 8, n + 9]
-    # without sharing, each sequence's tokens are its own, first-fit decreasing as fill_rows
+    # without sharing, each sequence's tokens are its own, first-fit decreasing
     rows, placed = M.pack_rows(sequences, share_prefixes=False)
     assert sum(map(len, rows)) == sum(map(len, sequences)) and max(map(len, rows)) == n + 12
     assert [r for r, _ in placed] == [1, 4, 3, 5, 3, 2, 0]
-    assert M.fill_rows(list(map(len, sequences))) == [[6], [0], [5], [2, 4], [1], [3]]
 
 
 def sharing_batch(tok):
-    """Sequences of mixed lengths, some of which share a row (model.fill_rows), and where
+    """Sequences of mixed lengths, some of which share a row (model.pack_rows), and where
     each one's trained tokens start: halfway along it."""
     texts = ["Question: Janet has 3 apples and buys 5 more. How many apples now?\nAnswer: 8", "2 + 2?",
              "Question: a pen costs 4 dollars.\nAnswer:", "x", "Answer: 12 eggs", "Question: 7 * 6?\nAnswer: 42"]
     seqs = [tok.encode(t) for t in texts]
-    assert len(M.fill_rows([len(s) for s in seqs])) < len(seqs)  # rows are shared here
+    assert len(M.pack_rows(seqs, share_prefixes=False)[0]) < len(seqs)  # rows are shared here
     return seqs, [max(1, len(s) // 2) for s in seqs]
 
 
@@ -1159,7 +1157,7 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
     ids, positions, visible = calls[0]
     assert visible is not None
     # fewer columns than with sequences sharing rows but no tokens (here 340 against 476)
-    assert ids.numel() < len(M.fill_rows(list(map(len, seqs)))) * ids.shape[1]
+    assert ids.numel() < len(M.pack_rows(seqs, share_prefixes=False)[0]) * ids.shape[1]
     # rotary sees relative positions only, so they are checked here rather than in the
     # values: each sequence, read back along the tokens its last one sees, counts its
     # positions from 0 and is itself, wherever and however shared it lies in its row
