@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model import InputError, linear, number, pack_rows, read_json, read_safetensors_file
+from model import InputError, laid_out, linear, number, read_json, read_safetensors_file, training_rows
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."
@@ -500,23 +500,20 @@ def optimizer_step(optimizer, step, total_steps, args):
     return lr, grad_norm
 
 
-def micro_batches(sequences, grad_accum, max_tokens):
+def micro_batches(sequences, grad_accum, max_tokens, device="cpu"):
     """[lo, hi) ranges splitting a step's sequences (token lists), in their order, into the
     micro-batches that each run one forward and backward pass: at least grad_accum of
-    them, and each at most max_tokens tokens as sequence_states lays it out, padding
-    included (0: no bound): rows as long as its longest sequence, shared by short
-    sequences and by common prefixes (model.pack_rows), so that OPD's continuations of
-    one rollout, or RL's samples of one prompt, may fit more to a pass than their lengths
-    alone would. A sequence longer than the bound runs alone. The scripts weigh each
-    micro-batch by its share of the step's tokens, so any split gives the same update up
-    to float rounding."""
+    them, and each at most max_tokens tokens as sequence_states lays it out on the device,
+    padding included (0: no bound): short sequences share rows, and common prefixes are
+    laid out once (model.training_rows), so that OPD's continuations of one rollout, or RL's
+    samples of one prompt, fit more to a pass than their lengths alone would. A sequence
+    longer than the bound runs alone. The scripts weigh each micro-batch by its share of
+    the step's tokens, so any split gives the same update up to float rounding."""
     most_sequences = math.ceil(len(sequences) / grad_accum)
 
     def fits(lo, hi):
-        part = sequences[lo:hi]
-        longest = max(map(len, part))
-        return hi - lo <= most_sequences and (max_tokens == 0 or hi - lo == 1 or len(part) * longest <= max_tokens
-                                              or len(pack_rows(part)[0]) * longest <= max_tokens)
+        return hi - lo <= most_sequences and (max_tokens == 0 or hi - lo == 1
+                                              or laid_out(training_rows(sequences[lo:hi], device)[0]) <= max_tokens)
 
     ranges, lo = [], 0
     while lo < len(sequences):

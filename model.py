@@ -578,14 +578,17 @@ def attend(q, k, v, mask, gqa):
     """Attention of queries q (B, n_head, T, head_dim) over keys and values (B, n_kv, past +
     T, head_dim), the queries being the last T positions. mask None means plain causal
     attention over exactly these T positions; an explicit mask (Qwen3.forward's, for
-    padding or for rows shared by several sequences) is causal over them too. Under an
-    explicit mask PyTorch's CPU kernel computes every query against every key, where
-    is_causal skips the masked half, so on the CPU a pass of 2 * QUERY_BLOCK queries or
-    more attends by blocks of QUERY_BLOCK queries, each over the keys up to its last one:
-    the keys after it are masked for every query of the block. On 2 cores of an AMD EPYC,
-    5-shot MMLU scoring of Qwen3-0.6B in bf16 (prompts of 280 to 1,732 tokens) ran 1.27x
-    as fast, and attention's forward and backward pass over 512 to 1,024 positions 1.2x
-    to 1.6x. The same values up to the kernel's order of summation (3e-7 apart in fp32)."""
+    padding or for rows shared by several sequences) is causal over them too, and RowRuns
+    attends run by run. Under an explicit mask PyTorch's CPU kernel computes every query
+    against every key, where is_causal skips the masked half, so on the CPU a pass of 2 *
+    QUERY_BLOCK queries or more attends by blocks of QUERY_BLOCK queries, each over the
+    keys up to its last one: the keys after it are masked for every query of the block.
+    On 2 cores of an AMD EPYC, 5-shot MMLU scoring of Qwen3-0.6B in bf16 (prompts of 280
+    to 1,732 tokens) ran 1.27x as fast, and attention's forward and backward pass over 512
+    to 1,024 positions 1.2x to 1.6x. The same values up to the kernel's order of summation
+    (3e-7 apart in fp32)."""
+    if isinstance(mask, RowRuns):
+        return mask.attend(q, k, v, gqa)
     T, past = q.shape[2], k.shape[2] - q.shape[2]
     if mask is None or T < 2 * QUERY_BLOCK or q.device.type != "cpu":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1, enable_gqa=gqa)
@@ -596,6 +599,64 @@ def attend(q, k, v, mask, gqa):
         blocks.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys],
                                                      attn_mask=mask[..., start:end, :keys], enable_gqa=gqa))
     return torch.cat(blocks, 2)
+
+
+class RowRuns:
+    """Who sees whom in training rows laid out by pack_rows. Each row is cut into runs of
+    columns, each the tokens one sequence laid out: after the prefix it found already in
+    the row (whose columns it sees too, the same for every sequence through them), or
+    from its start. A run sees its prefix and itself causally; the columns after a row's
+    last run are padding. On the CPU attention goes run by run (attend), each query
+    against the keys it sees alone and a run without a prefix by the causal kernel, so a
+    long row of many sequences costs each about what it would alone. Elsewhere the
+    runs become a mask of who sees whom (dense), for one attention call over each row."""
+
+    def __init__(self, sequences, placed, n_rows, length):
+        self.length, self.runs = length, [[] for _ in range(n_rows)]
+        laid = [0] * n_rows  # each row's columns are laid out left to right
+        for b in sorted(range(len(sequences)), key=lambda b: -len(sequences[b])):  # pack_rows' order
+            r, columns = placed[b]
+            own = [c for c in columns if c >= laid[r]]  # the rest lie on a prefix laid out before
+            if own:
+                prefix = columns[:len(columns) - len(own)]
+                self.runs[r].append((own[0], own[-1] + 1, prefix))
+                laid[r] = own[-1] + 1
+        for r, end in enumerate(laid):
+            if end < length:
+                self.runs[r].append((end, length, []))  # padding, causal among itself: it is never read
+        self.masks = {}
+
+    def dense(self, device=None):
+        """(rows, length, length) bool: the keys each query sees."""
+        visible = torch.zeros(len(self.runs), self.length, self.length, dtype=torch.bool)
+        for r, runs in enumerate(self.runs):
+            for lo, hi, prefix in runs:
+                visible[r, lo:hi, prefix] = True
+                visible[r, lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo, dtype=torch.bool).tril()
+        return visible.to(device)
+
+    def attend(self, q, k, v, gqa):
+        rows = []
+        for r, runs in enumerate(self.runs):
+            parts = []
+            for lo, hi, prefix in runs:
+                q_run, k_run, v_run = q[r:r + 1, :, lo:hi], k[r:r + 1, :, lo:hi], v[r:r + 1, :, lo:hi]
+                if not prefix:
+                    parts.append(F.scaled_dot_product_attention(q_run, k_run, v_run, is_causal=True, enable_gqa=gqa))
+                    continue
+                if (r, lo) not in self.masks:  # every layer reads the same: the prefix's columns, then the run's
+                    at = prefix[0]
+                    contiguous = prefix[-1] == at + len(prefix) - 1
+                    columns = slice(at, at + len(prefix)) if contiguous else torch.tensor(prefix, device=q.device)
+                    n = hi - lo
+                    mask = torch.ones(n, len(prefix) + n, dtype=torch.bool, device=q.device)
+                    mask[:, len(prefix):] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+                    self.masks[r, lo] = columns, mask
+                columns, mask = self.masks[r, lo]
+                k_run, v_run = torch.cat([k[r:r + 1, :, columns], k_run], 2), torch.cat([v[r:r + 1, :, columns], v_run], 2)
+                parts.append(F.scaled_dot_product_attention(q_run, k_run, v_run, attn_mask=mask, enable_gqa=gqa))
+            rows.append(torch.cat(parts, 2))
+        return torch.cat(rows, 0)
 
 
 class Attention(nn.Module):
@@ -741,9 +802,9 @@ class Qwen3(nn.Module):
         padding, covering the cached positions too. positions (B, T) and visible (B, T, T),
         without a cache: each token's position and the earlier tokens of its row it attends
         to (itself included), for rows holding several sequences, or a prefix tree of them,
-        laid out by sequence_states. Returns logits (B, T, vocab), or the final hidden states
-        (B, T, hidden) with hidden_only=True so the caller can take logits only where it
-        needs them."""
+        laid out by sequence_states; visible may also be the RowRuns it is made from.
+        Returns logits (B, T, vocab), or the final hidden states (B, T, hidden) with
+        hidden_only=True so the caller can take logits only where it needs them."""
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
         device = input_ids.device
@@ -752,7 +813,7 @@ class Qwen3(nn.Module):
         if visible is not None:
             if cache is not None or attention_mask is not None:
                 raise ValueError("positions and visible are for training passes, without a cache or an attention_mask")
-            mask = visible[:, None]
+            mask = visible if isinstance(visible, RowRuns) else visible[:, None]
         elif attention_mask is None:
             positions = torch.arange(past, past + T, device=device).expand(B, T)
             mask = None
@@ -1014,41 +1075,73 @@ def left_pad(seqs, pad_id, device=None):
 SHARED_PREFIX_MIN = 16  # tokens a sequence must share with a row to be laid out on its prefix
 
 
-def pack_rows(sequences, share_prefixes=True):
-    """Sequences laid out in rows as long as the longest one, longest first, each in the
-    row where it adds fewest tokens, of those with room for it (the first of equals).
-    A batch's lengths vary (GSM8K's questions with their solutions by about threefold),
-    and with one sequence to a row nearly half of an SFT batch of 16 would be padding;
-    rows no longer than the unshared pass's keep attention's cost per token where it was.
-    A sequence that opens with SHARED_PREFIX_MIN or more tokens already in its row, along
-    one path, adds only the rest: a row is then a prefix tree, each token computed once
-    for every sequence that passes through it. RL's samples of one prompt share the
-    prompt, OPD's continuations of one rollout its prefix up to their cut (a shorter
-    common opening, such as GSM8K's 'Question:', is not worth the mask it would cost a
-    pass that could run unmasked). Returns (rows, placed): the token ids of each row, and
-    for each sequence its row and the column of each of its tokens."""
+def training_rows(sequences, device):
+    """How a training pass on this device lays out its sequences: pack_rows' layout where
+    it computes fewer tokens than a row for each sequence, padded to the longest (which
+    runs unmasked, attention skipping the keys after each query), else that. On the CPU
+    attention goes run by run (RowRuns), each query against the keys it sees alone, so
+    one row holds every sequence, end to end: no padding, and each common prefix laid out
+    once however many sequences pass through it. Elsewhere attention over a row is one
+    call under a mask, which computes every query against every key, so rows stay as
+    long as the longest sequence. Returns (rows, placed) as pack_rows does."""
     longest = max(map(len, sequences), default=0)
-    rows, children, placed = [], [], [None] * len(sequences)
+    on_cpu = torch.device(device).type == "cpu"
+    layout = pack_rows(sequences, row_tokens=sum(map(len, sequences)) if on_cpu else 0)
+    return layout if laid_out(layout[0]) < len(sequences) * longest else one_row_each(sequences)
+
+
+def laid_out(rows):
+    """Tokens a pass over these rows computes, padding included."""
+    return len(rows) * max(map(len, rows), default=0)
+
+
+def one_row_each(sequences):
+    """The plain layout, in pack_rows' terms: each sequence a row of its own, in order."""
+    return [list(s) for s in sequences], [(b, list(range(len(s)))) for b, s in enumerate(sequences)]
+
+
+def pack_rows(sequences, share_prefixes=True, row_tokens=0):
+    """Sequences laid out in rows of up to row_tokens tokens, or the longest sequence's
+    if that is more, longest first, each in the row where it adds fewest tokens, of those
+    with room for it (the first of equals). A batch's lengths vary (GSM8K's questions with
+    their solutions by about threefold), and with one sequence to a row nearly half of an
+    SFT batch of 16 would be padding. A sequence that opens with SHARED_PREFIX_MIN or more
+    tokens already in its row, along one path, adds only the rest: a row is then a prefix
+    tree, each token computed once for every sequence that passes through it. RL's
+    samples of one prompt share the prompt, OPD's continuations of one rollout its prefix
+    up to their cut. A shorter common opening, such as GSM8K's 'Question:', would save a
+    few tokens for a mask (RowRuns): over a run's own keys, which the causal kernel would
+    have halved, or over a whole row where a row each would have run unmasked. Returns
+    (rows, placed): the token ids of each row, and for each sequence its row and the
+    column of each of its tokens."""
+    budget = max(max(map(len, sequences), default=0), row_tokens)
+    # each row's prefix trees: a tree's first SHARED_PREFIX_MIN columns by its opening tokens (so
+    # that trees opening alike on fewer, as every GSM8K prompt on "Question:", stay apart), then
+    # each later column by its parent's column and its token
+    rows, openings, children, placed = [], [], [], [None] * len(sequences)
     for b in sorted(range(len(sequences)), key=lambda b: -len(sequences[b])):
         s = sequences[b]
+        opening = tuple(s[:SHARED_PREFIX_MIN]) if share_prefixes and len(s) >= SHARED_PREFIX_MIN else None
         best, best_path = None, []
         for r, row in enumerate(rows):
-            path, parent = [], -1
-            while share_prefixes and len(path) < len(s) and (parent, s[len(path)]) in children[r]:
-                parent = children[r][parent, s[len(path)]]
-                path.append(parent)
-            path = path if len(path) >= SHARED_PREFIX_MIN else []
-            if len(row) + len(s) - len(path) <= longest and (best is None or len(path) > len(best_path)):
+            path = list(openings[r].get(opening, []))
+            while path and len(path) < len(s) and (path[-1], s[len(path)]) in children[r]:
+                path.append(children[r][path[-1], s[len(path)]])
+            if len(row) + len(s) - len(path) <= budget and (best is None or len(path) > len(best_path)):
                 best, best_path = r, path
         if best is None:
             rows.append([])
+            openings.append({})
             children.append({})
             best = len(rows) - 1
         row, columns = rows[best], list(best_path)
         for token in s[len(columns):]:
-            children[best].setdefault((columns[-1] if columns else -1, token), len(row))
+            if columns:
+                children[best].setdefault((columns[-1], token), len(row))
             columns.append(len(row))
             row.append(token)
+        if opening is not None:
+            openings[best].setdefault(opening, columns[:SHARED_PREFIX_MIN])
         placed[b] = (best, columns)
     return rows, placed
 
@@ -1057,7 +1150,7 @@ def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
     """Hidden states of every state (seq[:t]) whose next token seq[t] is trained on, for t
     in [start, len(seq)) of each sequence. Returns (states (N, hidden), targets (N,),
     sequence (N,)), sequence by sequence in the given order. Short sequences share a row,
-    and sequences with a common prefix share its tokens (pack_rows), each token attending
+    and sequences with a common prefix share its tokens (training_rows), each token attending
     only to its own sequence's earlier tokens (share_rows=False: one row each, as
     bench/train_step.py compares); where every sequence has a row of its own, rows are
     right-padded, causal attention alone keeps padding out of real tokens, and the pass
@@ -1066,10 +1159,8 @@ def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
     for b, (s, start) in enumerate(zip(sequences, starts)):
         if not 1 <= start <= len(s):
             raise ValueError(f"sequence {b}: start {start} outside [1, {len(s)}]")
-    rows, placed = pack_rows(sequences) if share_rows else (None, None)
-    shared = rows is not None and len(rows) < len(sequences)
-    if not shared:  # one row each in the given order: the plain right-padded pass
-        rows, placed = sequences, [(b, list(range(len(s)))) for b, s in enumerate(sequences)]
+    rows, placed = training_rows(sequences, device) if share_rows else one_row_each(sequences)
+    shared = len(rows) < len(sequences)
     L = max(len(row) for row in rows)
     ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
     for r, row in enumerate(rows):
@@ -1077,13 +1168,11 @@ def sequence_states(model, sequences, starts, pad_id=0, share_rows=True):
     positions = visible = None
     if shared:
         positions = torch.zeros((len(rows), L), dtype=torch.long)
-        visible = torch.eye(L, dtype=torch.bool).repeat(len(rows), 1, 1)  # padding sees itself alone
         for s, (r, columns) in zip(sequences, placed):
-            columns = torch.tensor(columns)
             positions[r, columns] = torch.arange(len(s))
-            # a token shared by several sequences is given the same earlier tokens by each
-            visible[r, columns[:, None], columns[None, :]] = torch.ones(len(s), len(s), dtype=torch.bool).tril()
-        positions, visible = positions.to(device), visible.to(device)
+        positions, visible = positions.to(device), RowRuns(sequences, placed, len(rows), L)
+        if device.type != "cpu":
+            visible = visible.dense(device)
     state_rows, state_cols, target_cols, seq_of_state = [], [], [], []
     for b, ((r, columns), start) in enumerate(zip(placed, starts)):
         state_rows += [r] * (len(columns) - start)

@@ -165,7 +165,7 @@ def main(argv=None):
                 seqs, seq_starts = sequences, starts
             model.train()
             n_tokens = sum(len(s) - st for s, st in zip(seqs, seq_starts))
-            micro_batches = lora.micro_batches(seqs, args.grad_accum, args.micro_batch_tokens)
+            micro_batches = lora.micro_batches(seqs, args.grad_accum, args.micro_batch_tokens, device)
             loss_sum = 0.0
             for first, end_seq in micro_batches:
                 part, part_starts = seqs[first:end_seq], seq_starts[first:end_seq]

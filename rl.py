@@ -115,7 +115,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
             model.train()
             # where each sequence's completion tokens start in the flat token tensors
             offsets = [0, *itertools.accumulate(len(r.completion_ids) for r in rollouts)]
-            micro_batches = lora.micro_batches(sequences, args.grad_accum, args.micro_batch_tokens)
+            micro_batches = lora.micro_batches(sequences, args.grad_accum, args.micro_batch_tokens, device)
             for _ in range(args.ppo_epochs):
                 loss_sum, metrics = 0.0, {}
                 for first, end_seq in micro_batches:

@@ -96,7 +96,7 @@ def main(argv=None):
 
             model.train()
             loss_sum = 0.0
-            for lo, hi in lora.micro_batches([s for s, _ in batch], args.grad_accum, args.micro_batch_tokens):
+            for lo, hi in lora.micro_batches([s for s, _ in batch], args.grad_accum, args.micro_batch_tokens, device):
                 part = batch[lo:hi]
                 with M.autocast(device):
                     logp, _ = M.sequence_logprobs(model, [s for s, _ in part], [p for _, p in part], tok.pad_id)

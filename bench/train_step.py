@@ -27,13 +27,13 @@ With --gsm8k-batch N the batch is instead sft.py's first batch of N GSM8K traini
 examples at their own lengths (question, answer and the loss on the answer tokens, as
 sft.py trains; lengths in tokens are the texts' characters over 4, since Qwen3's tokenizer
 is not at hand offline: the spread of lengths is what matters here). It times ours with
-short sequences sharing rows (model.pack_rows, what the scripts run), ours with one row
+short sequences sharing rows (model.training_rows, what the scripts run), ours with one row
 per sequence, right-padded, and peft on the same right-padded batch with its attention
 mask and the padding and prompts left out of the loss, as TRL pads a batch
 (--without-peft: the first two alone, the second the reference). --group-size K makes it
 rl.py's batch, K samples of each of the N questions, and --cuts C opd.py's, each sample
 continued from C points of its answer: sequences with long common prefixes, which ours
-lays out once in a row (model.pack_rows).
+lays out once in a row (model.training_rows).
 
     python bench/train_step.py
     python bench/train_step.py --dtypes bf16 --steps 1
@@ -122,19 +122,20 @@ def ragged(args, device):
         timing = race(steps, device, args.steps)
         peaks = [step_peak_memory(step, device) for step in steps]
         lengths = [len(s) for s in seqs]
-        packed = M.pack_rows(seqs)[0]
-        n_rows, laid_out = len(packed), sum(map(len, packed))
-        shared = f"{n_rows} shared rows" if n_rows < len(seqs) else f"{n_rows} rows (none fit two sequences)"
-        if laid_out < sum(lengths):
-            shared += f", {laid_out:,} of {sum(lengths):,} tokens (prefixes shared)"
+        packed = M.training_rows(seqs, device)[0]
+        n_rows, in_rows, row_length = len(packed), sum(map(len, packed)), max(map(len, packed))
+        shared = (f"{n_rows} shared row{'s' * (n_rows > 1)} of {row_length:,}" if n_rows < len(seqs)
+                  else f"{n_rows} rows (none fit two sequences)")
+        if in_rows < sum(lengths):
+            shared += f", {in_rows:,} of {sum(lengths):,} tokens (prefixes shared)"
         # the reference: peft, else ours with a row per sequence (whose row then reads 1.00x)
         ref_i = 1 if args.without_peft else 2
         peft_seconds, peft_peak = (("-", "-") if args.without_peft else
                                    (f"{timing.best[2]:.3f}", f"{peaks[2] / 2**20:.0f}"))
-        for i, (layout, layout_rows, tokens) in enumerate(((shared, n_rows, laid_out),
-                                                           (f"{len(seqs)} rows", len(seqs), sum(lengths)))):
+        for i, (layout, real) in enumerate(((shared, in_rows / M.laid_out(packed)),
+                                            (f"{len(seqs)} rows", sum(lengths) / len(seqs) / max(lengths)))):
             rows.append((dtype_name, f"{len(seqs)}, {min(lengths)} to {max(lengths)}",
-                         f"{tokens / layout_rows / max(lengths):.0%}", layout,
+                         f"{real:.0%}", layout,
                          f"{timing.best[i]:.3f}", peft_seconds,
                          *timing.ratio_cells(ref_i, i), f"{peaks[i] / 2**20:.0f}",
                          peft_peak, f"{peaks[i] / peaks[ref_i]:.2f}x",

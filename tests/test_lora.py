@@ -362,40 +362,44 @@ def test_micro_batches_split_in_order_under_the_token_bound():
     # without a bound, --grad-accum alone: ceil(8 / n) sequences a pass
     assert lora.micro_batches(sequences, 1, 0) == [(0, 8)]
     assert lora.micro_batches(sequences, 3, 0) == [(0, 3), (3, 6), (6, 8)]
-    # 18 tokens: each pass's rows (short sequences sharing one) times its longest length stay
-    # at most 18: 9 | 5 3 is two rows of 9, adding a 3 would make three
-    assert lora.micro_batches(sequences, 1, 18) == [(0, 3), (3, 4), (4, 5), (5, 8)]
+    # on a GPU rows are as long as a pass's longest sequence; at 18 tokens each pass's rows
+    # times that length stay at most 18: 9 | 5 3 is two rows of 9, adding a 3 would make three
+    assert lora.micro_batches(sequences, 1, 18, "cuda") == [(0, 3), (3, 4), (4, 5), (5, 8)]
     # the bound and --grad-accum together: whichever splits first
-    assert lora.micro_batches(sequences, 4, 18) == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
-    # a sequence longer than the bound runs alone rather than not at all
-    assert lora.micro_batches(sequences, 1, 10) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
-    # sharing rows fits more sequences a pass than one row each would: 3 x 9 = 27
-    assert lora.micro_batches([[b] * n for b, n in enumerate([9, 3, 3, 3, 9])], 1, 27) == [(0, 5)]
-    assert lora.micro_batches([], 2, 10) == []
+    assert lora.micro_batches(sequences, 4, 18, "cuda") == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
+    # on the CPU a pass is one row of its sequences end to end: 5 9 3, 3 12, 4 4 4
+    assert lora.micro_batches(sequences, 1, 18) == [(0, 3), (3, 5), (5, 8)]
+    assert lora.micro_batches(sequences, 4, 18) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    for device in ("cpu", "cuda"):
+        # a sequence longer than the bound runs alone rather than not at all
+        assert lora.micro_batches(sequences, 1, 10, device) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
+        # sharing rows fits more sequences a pass than one row each would: 3 x 9 = 27
+        assert lora.micro_batches([[b] * n for b, n in enumerate([9, 3, 3, 3, 9])], 1, 27, device) == [(0, 5)]
+        assert lora.micro_batches([], 2, 10, device) == []
 
 
-def test_micro_batches_count_a_common_prefix_once():
+@pytest.mark.parametrize("device, passes", [("cpu", 2), ("cuda", 3)])
+def test_micro_batches_count_a_common_prefix_once(device, passes):
     """OPD's continuations of one rollout share it up to their cuts: laid out once, the
     prefix lets more of them into a pass, and each pass still holds at most the bound."""
     import random
     rng = random.Random(0)
     rollouts = [[rng.randrange(1000) for _ in range(40)] for _ in range(4)]
-    # a long sequence, then each rollout continued from four cuts: 55 tokens laid out once
+    # a long sequence, then each rollout continued from four cuts: 50 tokens laid out once
     sequences = [[rng.randrange(1000) for _ in range(100)]]
     sequences += [r[:cut] + [rng.randrange(1000) for _ in range(5)] for r in rollouts for cut in (20, 25, 30, 35)]
     alone = [[1000 + b] * len(s) for b, s in enumerate(sequences)]  # the same lengths, nothing in common
-    longest = max(map(len, sequences))
-    ranges = lora.micro_batches(sequences, 1, 2 * longest)
+    bound = 2 * max(map(len, sequences))
+    ranges = lora.micro_batches(sequences, 1, bound, device)
     for lo, hi in ranges:
-        part = sequences[lo:hi]
-        assert len(M.pack_rows(part)[0]) * max(map(len, part)) <= 2 * longest
-    assert len(ranges) == 3 and len(lora.micro_batches(alone, 1, 2 * longest)) == 4
+        assert M.laid_out(M.training_rows(sequences[lo:hi], device)[0]) <= bound
+    assert len(ranges) == passes and len(lora.micro_batches(alone, 1, bound, device)) == 4
     # every split gallops to the longest run that fits, as adding one sequence at a time would
-    for bound in range(longest, 6 * longest, 7):
-        ranges, lo = lora.micro_batches(sequences, 1, bound), 0
+    for bound in range(100, 600, 7):
+        ranges, lo = lora.micro_batches(sequences, 1, bound, device), 0
         for first, end in ranges:
             assert first == lo
-            fits = [len(M.pack_rows(sequences[first:hi])[0]) * max(map(len, sequences[first:hi])) <= bound
+            fits = [M.laid_out(M.training_rows(sequences[first:hi], device)[0]) <= bound
                     for hi in range(first + 1, len(sequences) + 1)]
             assert end - first == (fits + [False]).index(False) or end - first == 1
             lo = end

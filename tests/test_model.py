@@ -108,7 +108,9 @@ def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, mo
             ours(ids[:, :5], attention_mask=mask[:, :5], cache=cache)
             after_cache = ours(ids[:, 5:], attention_mask=mask, cache=cache)  # queries after cached keys
         ours.zero_grad()
-        logp, _ = M.sequence_logprobs(ours, sequences, [1] * len(sequences))
+        with monkeypatch.context() as patch:  # a training pass under a mask, as off the CPU, not run by run
+            patch.setattr(M.RowRuns, "attend", lambda runs, q, k, v, gqa: M.attend(q, k, v, runs.dense()[:, None], gqa))
+            logp, _ = M.sequence_logprobs(ours, sequences, [1] * len(sequences))
         logp.sum().backward()
         return padded, after_cache, logp.detach(), [p.grad.clone() for p in lora.lora_parameters(ours)]
 
@@ -123,6 +125,50 @@ def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, mo
         assert (x - y).abs().max() < 1e-5
     for x, y in zip(whole[3], blocked[3]):
         assert (x - y).abs().max() <= 1e-5 * x.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_run_by_run_equals_attention_under_the_mask_of_who_sees_whom(dtype, monkeypatch):
+    """On the CPU a training row attends run by run (model.RowRuns), each run of a
+    sequence's own tokens over its prefix's columns and itself: values and gradients as
+    one attention call under the dense mask of the same layout, through a run without a
+    prefix, runs on a prompt's columns, a prefix through two runs, and padding."""
+    import torch.nn.functional as F
+    n = M.SHARED_PREFIX_MIN
+    prompt, x, y = list(range(100, 100 + n)), list(range(200, 230)), list(range(300, 320))
+    sequences = [prompt + x,  # laid out first, the longest
+                 prompt + x[:4] + y,  # a run on the prompt and x's first tokens: contiguous
+                 prompt + x[:4] + y[:10] + [7, 8, 9],  # its prefix runs through the two runs above
+                 prompt + [5, 5, 5],
+                 list(range(400, 425))]  # shares nothing: its run sees itself alone
+    rows, placed = M.pack_rows(sequences, row_tokens=200)
+    L = len(rows[0]) + 3  # three columns of padding
+    runs = M.RowRuns(sequences, placed, len(rows), L)
+    # in column order: sequences 0, 1, 2, 4, 3 (longest first), then the padding
+    assert len(rows) == 1 and [len(p) > 0 for _, _, p in runs.runs[0]] == [False, True, True, False, True, False]
+    assert runs.runs[0][2][2] == placed[2][1][:n + 14]  # the prefix of sequence 2: through two runs
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, L, 8, generator=g).to(dtype).requires_grad_()
+    k, v = (torch.randn(1, 2, L, 8, generator=g).to(dtype).requires_grad_() for _ in range(2))
+    visible = runs.dense()
+    for b, (r, columns) in enumerate(placed):  # each sequence's tokens see its earlier tokens alone
+        for i, c in enumerate(columns):
+            assert visible[r, c].nonzero().flatten().tolist() == sorted(columns[:i + 1])
+    expected = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=visible[:, None], enable_gqa=True)
+    expected_grads = torch.autograd.grad(expected[:, :, :len(rows[0])].square().sum(), (q, k, v))
+    calls = []
+    plain_sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(M.F, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: calls.append((q.shape[2], k.shape[2], kw.get("is_causal", False)))
+                        or plain_sdpa(q, k, v, **kw))
+    got = M.attend(q, k, v, runs, gqa=True)
+    grads = torch.autograd.grad(got[:, :, :len(rows[0])].float().square().sum(), (q, k, v))
+    # a query reads the keys it sees alone: the prefix's and its run's; a run without a prefix by the causal kernel
+    assert calls == [(hi - lo, len(prefix) + hi - lo, not prefix) for lo, hi, prefix in runs.runs[0]]
+    bound = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (got[:, :, :len(rows[0])].float() - expected[:, :, :len(rows[0])]).abs().max() < bound
+    for x, y in zip(grads, expected_grads):
+        assert (x.float() - y).abs().max() < bound * 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -1116,6 +1162,18 @@ def test_pack_rows_lays_a_shared_prefix_out_once_where_it_is_long_enough():
     assert [r for r, _ in placed] == [1, 4, 3, 5, 3, 2, 0]
 
 
+def test_pack_rows_keeps_apart_the_trees_that_open_alike_on_fewer_tokens():
+    # every GSM8K prompt opens on "Question:": one rollout's continuations still find its
+    # prefix in a row that holds other rollouts' trees too
+    n = M.SHARED_PREFIX_MIN
+    a = [1, 2, 3] + list(range(100, 100 + n + 10))
+    b = [1, 2, 3] + list(range(300, 300 + n + 5))
+    sequences = [a, b, b[:n + 4] + [7, 7], a[:n + 1] + [8]]
+    rows, placed = M.pack_rows(sequences, row_tokens=1000)
+    assert len(rows) == 1 and sum(map(len, rows)) == len(a) + len(b) + 2 + 1
+    assert placed[2][1][:n + 4] == placed[1][1][:n + 4] and placed[3][1][:n + 1] == placed[0][1][:n + 1]
+
+
 def sharing_batch(tok):
     """Sequences of mixed lengths, some of which share a row (model.pack_rows), and where
     each one's trained tokens start: halfway along it."""
@@ -1140,9 +1198,12 @@ def prefix_batch(tok):
     return samples + continuations, [len(prompt)] * 3 + cuts
 
 
+@pytest.mark.parametrize("by_run", [True, False])  # attention as on the CPU, or under a mask as elsewhere
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
-def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradients(tiny_models, name, monkeypatch):
+def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradients(tiny_models, name, by_run, monkeypatch):
     import lora
+    if not by_run:
+        monkeypatch.setattr(M.RowRuns, "attend", lambda runs, q, k, v, gqa: M.attend(q, k, v, runs.dense()[:, None], gqa))
     m, tok = M.load(tiny_models[name])
     lora.add_lora(m, rank=4, alpha=8)
     randomize_adapter(m)
@@ -1154,10 +1215,10 @@ def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradient
     plain_forward = m.forward
     m.forward = lambda ids, **k: calls.append((ids, k.get("positions"), k.get("visible"))) or plain_forward(ids, **k)
     states, targets, sequence_of_state = M.sequence_states(m, seqs, starts, tok.pad_id)
-    ids, positions, visible = calls[0]
-    assert visible is not None
-    # fewer columns than with sequences sharing rows but no tokens (here 340 against 476)
-    assert ids.numel() < len(M.pack_rows(seqs, share_prefixes=False)[0]) * ids.shape[1]
+    ids, positions, runs = calls[0]
+    visible = runs.dense()
+    # one row on the CPU, of fewer columns than the sequences hold: common prefixes laid out once
+    assert len(ids) == 1 and ids.numel() < sum(map(len, seqs))
     # rotary sees relative positions only, so they are checked here rather than in the
     # values: each sequence, read back along the tokens its last one sees, counts its
     # positions from 0 and is itself, wherever and however shared it lies in its row
