@@ -1136,7 +1136,7 @@ def pack_rows(sequences, share_prefixes=True, row_tokens=0):
             best = len(rows) - 1
         row, columns = rows[best], list(best_path)
         for token in s[len(columns):]:
-            if columns and opening is not None:  # a sequence too short to open a tree hosts none
+            if columns and opening is not None:  # one that opens no tree (short, or not sharing) hosts none
                 children[best].setdefault((columns[-1], token), len(row))
             columns.append(len(row))
             row.append(token)
