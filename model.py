@@ -624,7 +624,7 @@ class RowRuns:
         for r, end in enumerate(laid):
             if end < length:
                 self.runs[r].append((end, length, []))  # padding, causal among itself: it is never read
-        self.masks = {}
+        self.masks, self.prefix_columns = {}, {}
 
     def dense(self, device=None):
         """(rows, length, length) bool: the keys each query sees."""
@@ -636,25 +636,35 @@ class RowRuns:
         return visible.to(device)
 
     def attend(self, q, k, v, gqa):
+        # each row split once into its runs, and every run's prefix columns gathered in one
+        # index: a slice or index per run would cost its backward pass a zeroed gradient of
+        # the whole row, per run
+        if not self.prefix_columns:  # every layer reads the same: made once
+            for r, runs in enumerate(self.runs):
+                for lo, hi, prefix in runs:
+                    if prefix:
+                        n = hi - lo
+                        mask = torch.ones(n, len(prefix) + n, dtype=torch.bool, device=q.device)
+                        mask[:, len(prefix):] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+                        self.masks[r, lo] = mask
+                self.prefix_columns[r] = torch.tensor([c for _, _, prefix in runs for c in prefix], dtype=torch.long,
+                                                      device=q.device)
         rows = []
         for r, runs in enumerate(self.runs):
+            sizes, prefix_sizes = [hi - lo for lo, hi, _ in runs], [len(prefix) for _, _, prefix in runs]
+            q_runs, k_runs, v_runs = (t[r:r + 1].split(sizes, 2) for t in (q, k, v))
+            columns = self.prefix_columns[r]
+            k_prefixes, v_prefixes = ((t[r:r + 1].index_select(2, columns).split(prefix_sizes, 2)
+                                       if len(columns) else [None] * len(runs)) for t in (k, v))
             parts = []
-            for lo, hi, prefix in runs:
-                q_run, k_run, v_run = q[r:r + 1, :, lo:hi], k[r:r + 1, :, lo:hi], v[r:r + 1, :, lo:hi]
-                if not prefix:
+            for (lo, hi, prefix), q_run, k_run, v_run, k_prefix, v_prefix in zip(runs, q_runs, k_runs, v_runs,
+                                                                                  k_prefixes, v_prefixes):
+                if prefix:
+                    parts.append(F.scaled_dot_product_attention(q_run, torch.cat([k_prefix, k_run], 2),
+                                                                torch.cat([v_prefix, v_run], 2),
+                                                                attn_mask=self.masks[r, lo], enable_gqa=gqa))
+                else:
                     parts.append(F.scaled_dot_product_attention(q_run, k_run, v_run, is_causal=True, enable_gqa=gqa))
-                    continue
-                if (r, lo) not in self.masks:  # every layer reads the same: the prefix's columns, then the run's
-                    at = prefix[0]
-                    contiguous = prefix[-1] == at + len(prefix) - 1
-                    columns = slice(at, at + len(prefix)) if contiguous else torch.tensor(prefix, device=q.device)
-                    n = hi - lo
-                    mask = torch.ones(n, len(prefix) + n, dtype=torch.bool, device=q.device)
-                    mask[:, len(prefix):] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-                    self.masks[r, lo] = columns, mask
-                columns, mask = self.masks[r, lo]
-                k_run, v_run = torch.cat([k[r:r + 1, :, columns], k_run], 2), torch.cat([v[r:r + 1, :, columns], v_run], 2)
-                parts.append(F.scaled_dot_product_attention(q_run, k_run, v_run, attn_mask=mask, enable_gqa=gqa))
             rows.append(torch.cat(parts, 2))
         return torch.cat(rows, 0)
 
