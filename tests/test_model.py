@@ -86,6 +86,11 @@ def test_kv_cache_and_left_padding(tiny_models, name):
         assert (step[1, -1] - ref_b).abs().max() < 1e-4
 
 
+def attend_under_the_mask(runs, q, k, v, gqa):
+    """RowRuns.attend as off the CPU: one attention call under the dense mask of the runs."""
+    return M.attend(q, k, v, runs.dense()[:, None], gqa)
+
+
 def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, monkeypatch):
     # a long masked pass attends by blocks of queries, each over the keys up to its last
     # one (model.attend); here blocks of 4, so that the test's short sequences take them
@@ -109,7 +114,7 @@ def test_attention_by_query_blocks_equals_one_pass_over_every_key(tiny_model, mo
             after_cache = ours(ids[:, 5:], attention_mask=mask, cache=cache)  # queries after cached keys
         ours.zero_grad()
         with monkeypatch.context() as patch:  # a training pass under a mask, as off the CPU, not run by run
-            patch.setattr(M.RowRuns, "attend", lambda runs, q, k, v, gqa: M.attend(q, k, v, runs.dense()[:, None], gqa))
+            patch.setattr(M.RowRuns, "attend", attend_under_the_mask)
             logp, _ = M.sequence_logprobs(ours, sequences, [1] * len(sequences))
         logp.sum().backward()
         return padded, after_cache, logp.detach(), [p.grad.clone() for p in lora.lora_parameters(ours)]
@@ -1203,7 +1208,7 @@ def prefix_batch(tok):
 def test_sequences_sharing_rows_give_each_sequence_alone_its_values_and_gradients(tiny_models, name, by_run, monkeypatch):
     import lora
     if not by_run:
-        monkeypatch.setattr(M.RowRuns, "attend", lambda runs, q, k, v, gqa: M.attend(q, k, v, runs.dense()[:, None], gqa))
+        monkeypatch.setattr(M.RowRuns, "attend", attend_under_the_mask)
     m, tok = M.load(tiny_models[name])
     lora.add_lora(m, rank=4, alpha=8)
     randomize_adapter(m)
