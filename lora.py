@@ -500,7 +500,7 @@ def optimizer_step(optimizer, step, total_steps, args):
     return lr, grad_norm
 
 
-def micro_batches(sequences, grad_accum, max_tokens, device="cpu"):
+def micro_batches(sequences, grad_accum, max_tokens, device):
     """[lo, hi) ranges splitting a step's sequences (token lists), in their order, into the
     micro-batches that each run one forward and backward pass: at least grad_accum of
     them, and each at most max_tokens tokens as sequence_states lays it out on the device,

@@ -360,16 +360,16 @@ def test_micro_batches_split_in_order_under_the_token_bound():
     lengths = [5, 9, 3, 3, 12, 4, 4, 4]
     sequences = [[b] * n for b, n in enumerate(lengths)]  # no two open alike
     # without a bound, --grad-accum alone: ceil(8 / n) sequences a pass
-    assert lora.micro_batches(sequences, 1, 0) == [(0, 8)]
-    assert lora.micro_batches(sequences, 3, 0) == [(0, 3), (3, 6), (6, 8)]
+    assert lora.micro_batches(sequences, 1, 0, "cpu") == [(0, 8)]
+    assert lora.micro_batches(sequences, 3, 0, "cpu") == [(0, 3), (3, 6), (6, 8)]
     # on a GPU rows are as long as a pass's longest sequence; at 18 tokens each pass's rows
     # times that length stay at most 18: 9 | 5 3 is two rows of 9, adding a 3 would make three
     assert lora.micro_batches(sequences, 1, 18, "cuda") == [(0, 3), (3, 4), (4, 5), (5, 8)]
     # the bound and --grad-accum together: whichever splits first
     assert lora.micro_batches(sequences, 4, 18, "cuda") == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
     # on the CPU a pass is one row of its sequences end to end: 5 9 3, 3 12, 4 4 4
-    assert lora.micro_batches(sequences, 1, 18) == [(0, 3), (3, 5), (5, 8)]
-    assert lora.micro_batches(sequences, 4, 18) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert lora.micro_batches(sequences, 1, 18, "cpu") == [(0, 3), (3, 5), (5, 8)]
+    assert lora.micro_batches(sequences, 4, 18, "cpu") == [(0, 2), (2, 4), (4, 6), (6, 8)]
     for device in ("cpu", "cuda"):
         # a sequence longer than the bound runs alone rather than not at all
         assert lora.micro_batches(sequences, 1, 10, device) == [(0, 1), (1, 2), (2, 4), (4, 5), (5, 7), (7, 8)]
