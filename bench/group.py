@@ -20,11 +20,13 @@ ends its row on both sides (an end-of-text id for transformers, a stop string fo
 so rows end after K tokens on average, at random. Each side then draws its own samples,
 and the table gives both sides' mean length.
 
-    python bench/group.py
+    python bench/group.py                 # each dtype in a process of its own
     python bench/group.py --dtypes bf16 --new-tokens 32
     python bench/group.py --dtypes bf16 --finish-every 64
 """
 import argparse
+import subprocess
+import sys
 
 import torch
 
@@ -58,6 +60,14 @@ def main():
     p.add_argument("--finish-every", type=M.number(int, 0), default=0,
                    help="end a row at a token id divisible by this (0: no row ends before --new-tokens)")
     args = p.parse_args()
+    dtype_names = args.dtypes.split(",")
+    if len(dtype_names) > 1:
+        # transformers' side holds about 20 GB at its peak on the CPU in bf16 (its prefill of 64
+        # rows), and after an fp32 run in the same process a 24 GB machine killed it for memory:
+        # each dtype runs in a process of its own, nothing of the one before resident
+        for name in dtype_names:
+            subprocess.run([sys.executable, sys.argv[0], *sys.argv[1:], "--dtypes", name], check=True)
+        return
     device = setup(args)
     B, n, T = args.prompts, args.samples, args.new_tokens
     prompts = random_ids(args.config, (B, args.prompt_tokens), seed=0)
@@ -69,7 +79,7 @@ def main():
     # first loop with the adapter's own products
     settings = [(mode, True) for mode in modes] + ([(modes[0], False)] if args.rank else [])
     rows = []
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name in dtype_names:
         _, dtype = M.resolve_device(device, dtype_name)
         ours, ref = build(args.config, dtype, device)
         if args.rank:

@@ -5,6 +5,7 @@ import io
 import os
 import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -51,6 +52,17 @@ def test_group_bench_draws_the_same_groups_in_both_decode_loops(tiny_model):
     assert [(r[4], r[5]) for r in rows] == [("dropping", "rank 4, folded"), ("fixed", "rank 4, folded"),
                                             ("dropping", "rank 4, own products")], rows
     assert all(r[1] == "2x3" and r[3] == "6 / 6" and r[-1] == "100%" for r in rows), rows
+
+
+def test_group_bench_runs_each_dtype_in_a_process_of_its_own(tiny_model):
+    # the reference's peak in one dtype must not stack on what the one before left resident
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "group.py"), "--config", tiny_model, "--device", "cpu",
+                          "--dtypes", "fp32,bf16", "--prompts", "2", "--samples", "2", "--new-tokens", "3",
+                          "--prompt-tokens", "5", "--rank", "0"], capture_output=True, text=True, check=True).stdout
+    assert out.count("device cpu") == 2, out  # each process says where it runs
+    tables = out.split("| dtype |")[1:]
+    assert len(tables) == 2 and "| fp32 |" in tables[0] and "| bf16 |" in tables[1], out
+    assert "| bf16 |" not in tables[0] and "| fp32 |" not in tables[1], out
 
 
 def test_group_bench_ends_rows_at_random_on_both_sides(tiny_model):
