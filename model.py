@@ -614,7 +614,7 @@ class RowRuns:
     def __init__(self, sequences, placed, n_rows, length):
         self.length, self.runs = length, [[] for _ in range(n_rows)]
         laid = [0] * n_rows  # each row's columns are laid out left to right
-        for b in sorted(range(len(sequences)), key=lambda b: -len(sequences[b])):  # pack_rows' order
+        for b in packing_order(sequences):  # replayed as pack_rows placed them
             r, columns = placed[b]
             own = [c for c in columns if c >= laid[r]]  # the rest lie on a prefix laid out before
             if own:
@@ -1110,6 +1110,12 @@ def one_row_each(sequences):
     return [list(s) for s in sequences], [(b, list(range(len(s)))) for b, s in enumerate(sequences)]
 
 
+def packing_order(sequences):
+    """The order pack_rows places sequences in, longest first (the first of equals first),
+    which RowRuns replays to tell each sequence's own columns from the prefix it found."""
+    return sorted(range(len(sequences)), key=lambda b: -len(sequences[b]))
+
+
 def pack_rows(sequences, share_prefixes=True, row_tokens=0):
     """Sequences laid out in rows of up to row_tokens tokens, or the longest sequence's
     if that is more, longest first, each in the row where it adds fewest tokens, of those
@@ -1129,7 +1135,7 @@ def pack_rows(sequences, share_prefixes=True, row_tokens=0):
     # that trees opening alike on fewer, as every GSM8K prompt on "Question:", stay apart), then
     # each later column by its parent's column and its token
     rows, openings, children, placed = [], [], [], [None] * len(sequences)
-    for b in sorted(range(len(sequences)), key=lambda b: -len(sequences[b])):
+    for b in packing_order(sequences):
         s = sequences[b]
         opening = tuple(s[:SHARED_PREFIX_MIN]) if share_prefixes and len(s) >= SHARED_PREFIX_MIN else None
         best, best_path = None, []
