@@ -133,7 +133,7 @@ def ragged(args, device):
         peft_seconds, peft_peak = (("-", "-") if args.without_peft else
                                    (f"{timing.best[2]:.3f}", f"{peaks[2] / 2**20:.0f}"))
         for i, (layout, real) in enumerate(((shared, in_rows / M.laid_out(packed)),
-                                            (f"{len(seqs)} rows", sum(lengths) / len(seqs) / max(lengths)))):
+                                            (f"{len(seqs)} rows", sum(lengths) / M.laid_out(seqs)))):
             rows.append((dtype_name, f"{len(seqs)}, {min(lengths)} to {max(lengths)}",
                          f"{real:.0%}", layout,
                          f"{timing.best[i]:.3f}", peft_seconds,
