@@ -12,7 +12,12 @@ with the base states:
                       (median heuristic) so every run is measured with the same ruler;
                       unbiased for these paired samples: every mean over pairs of states
                       from different prompts, the p-value from swapping a prompt's two
-                      sets of states (mmd2_test)
+                      sets of states (mmd2_test). mmd = sqrt(max(mmd2, 0)) beside it: the
+                      paper's column is headed MMD without saying whether it is squared
+  mmd2_unpaired       the plain unbiased MMD^2, as if the samples were independent. It sees
+                      what the paired one cannot (how an answer relates to its own
+                      question), but the pairs of one prompt pull it below zero when
+                      nothing changed, and its p-value is then meaningless (near 1)
   centroid            distance between the mean feature vectors
   sliced_wasserstein  mean 1-D Wasserstein-1 distance over random projections
   jaccard             mean Jaccard distance between the word sets of paired rollouts
@@ -40,11 +45,12 @@ from tqdm import tqdm
 import data
 import lora
 import model as M
-from sample import generate
+import runs
+from sample import generate, left_pad
 
 # written into drift.json: a file that names another estimator (or none, as before the
 # paired one) holds numbers this code would not give, and reproduce.py measures it again
-ESTIMATOR = "paired by prompt"
+ESTIMATOR = "paired by prompt, unpaired beside"
 ROUNDING = 1e-12  # MMD^2 values this close count as equal (float64 sums over up to ~10^7 kernel entries)
 
 WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
@@ -78,7 +84,7 @@ def hidden_features(model, states, batch_size=16, starts=None):
     with lora.use_adapter(model, None):
         for i in range(0, len(states), batch_size):
             batch = states[i:i + batch_size]
-            ids, mask = M.left_pad(batch, 0, device)
+            ids, mask = left_pad(batch, 0, device)
             h = model(ids, attention_mask=mask, hidden_only=True).float()
             # left padding: state j's token k sits at column width - len(state j) + k
             first = torch.tensor([ids.shape[1] - len(s) + start for s, start in zip(batch, starts[i:i + batch_size])],
@@ -245,16 +251,16 @@ def current(run, args=None):
 
 
 def add_drift_args(p):
-    p.add_argument("--prompts", type=M.number(int, 2, why="MMD^2 compares states of different prompts"), default=200,
+    p.add_argument("--prompts", type=runs.number(int, 2, why="MMD^2 compares states of different prompts"), default=200,
                    help="first N GSM8K test questions as the fixed prompt set")
-    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest rollout")
-    p.add_argument("--temperature", type=M.number(float, 0), default=1.0, help="rollout temperature")
-    p.add_argument("--stride", type=M.number(int, 1), default=16, help="take a prefix state every N generated tokens")
+    p.add_argument("--max-new-tokens", type=runs.number(int, 1), default=256, help="longest rollout")
+    p.add_argument("--temperature", type=runs.number(float, 0), default=1.0, help="rollout temperature")
+    p.add_argument("--stride", type=runs.number(int, 1), default=16, help="take a prefix state every N generated tokens")
     p.add_argument("--features", choices=["lexical", "hidden"], default="lexical", help="state embedding")
     p.add_argument("--embed", choices=["state", "generated"], default="state",
                    help="embed the whole state (x, y_<t), or only its generated part y_<t")
-    p.add_argument("--permutations", type=M.number(int, 1), default=200, help="permutations for the MMD p-value")
-    p.add_argument("--projections", type=M.number(int, 1), default=64,
+    p.add_argument("--permutations", type=runs.number(int, 1), default=200, help="permutations for the MMD p-value")
+    p.add_argument("--projections", type=runs.number(int, 1), default=64,
                    help="random directions of the sliced Wasserstein distance")
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
 
@@ -262,18 +268,21 @@ def add_drift_args(p):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders to compare with the base model")
-    M.add_model_args(p)
-    p.add_argument("--out", default="out", help="where the base rollouts are cached (drift_base.json)")
+    runs.add_model_args(p)
+    p.add_argument("--out", default=None, help="the study folder, where the base rollouts are cached (drift_base.json; "
+                                               "default: the folder holding the first run folder)")
     p.add_argument("--save-as", default="drift.json",
                    help="file name of the result in each run folder (e.g. another name for another --embed)")
     add_drift_args(p)
     args = p.parse_args(argv)
     if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
         raise M.InputError(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
+    args.out = args.out or os.path.dirname(os.path.normpath(args.runs[0])) or "."
+    runs.model_and_data_from(args, *args.runs)
     for run in args.runs:
-        lora.check_run_folder(run, args.model)
+        runs.check_run_folder(run, args.model)
     print(vars(args))
-    model, tok = M.load(args.model, args.device, args.dtype)
+    model, tok = M.load(args.model, *runs.device_from_args(args))
     test = data.load_gsm8k("test", args.data_dir)
     if args.prompts > len(test):  # fewer prompts than asked, silently, and a --prompts in drift.json that was not so
         raise M.InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} questions; "
@@ -297,7 +306,7 @@ def main(argv=None):
         model.eval()
         base = dict(settings=settings, **collect(model, tok, prompts, args))
         os.makedirs(args.out, exist_ok=True)
-        lora.write_json(cache_path, base)
+        M.write_json(cache_path, base)
     X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
 
@@ -307,15 +316,17 @@ def main(argv=None):
         ours = collect(model, tok, prompts, args)
         Y, y_prompts = featurize(model, tok, ours, args.features, args.embed)
         mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts, y_prompts)
-        result = dict(mmd2=mmd2, p_value=p_value, estimator=ESTIMATOR, bandwidth=bandwidth, features=args.features,
+        unpaired, unpaired_p = mmd2_test(X, Y, bandwidth, args.permutations, args.seed)
+        result = dict(mmd2=mmd2, mmd=max(mmd2, 0.0) ** 0.5, p_value=p_value, mmd2_unpaired=unpaired,
+                      p_value_unpaired=unpaired_p, estimator=ESTIMATOR, bandwidth=bandwidth, features=args.features,
                       embed=args.embed, centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
                       n_states_base=len(X), n_states_run=len(Y), settings=settings,
                       adapter_sha256=model.lora_config[f"run{i}"]["sha256"])
-        lora.write_json(os.path.join(run, args.save_as), result)
+        M.write_json(os.path.join(run, args.save_as), result)
         print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))
 
 
 if __name__ == "__main__":
-    M.run_script(main)
+    runs.run_script(main)

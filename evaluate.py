@@ -6,15 +6,15 @@ results table in the layout of the paper's Table 2.
     python evaluate.py base out/mild out/stress          # base model and two run folders
     python evaluate.py --table out                      # print and write out/results.md
 
-Conventions follow lm-evaluation-harness: GSM8K 5-shot 'Question:/Answer:' prompts, greedy,
-strict ('#### N') and flexible (last number) extraction; MMLU 5-shot with the subject
+Conventions follow lm-evaluation-harness: GSM8K 'Question:/Answer:' prompts, greedy, strict
+('#### N') and flexible (last number) extraction, scored 0-shot (the format RL, OPD and drift
+prompt with, and the table's column) and 5-shot (lm-eval's); MMLU 5-shot with the subject
 header, the prediction is the letter whose ' A'..' D' continuation is most likely;
 TruthfulQA MC1/MC2 with the six-question QA primer and summed log-likelihoods. Every score
 comes with its standard error over the questions as lm-evaluation-harness gives it, and
 forgetting with one that pairs each question with the base model's answer to it.
 """
 import argparse
-import collections
 import itertools
 import json
 import math
@@ -30,7 +30,8 @@ import data
 import drift
 import lora
 import model as M
-from sample import generate, prefill, prompt_groups
+import runs
+from sample import generate, left_pad
 
 TASKS = ("gsm8k", "mmlu", "truthfulqa")
 RETENTION_TASKS = ("truthfulqa", "mmlu")  # the paper averages forgetting over TruthfulQA MC1 and MMLU
@@ -53,86 +54,55 @@ RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "o
 
 @torch.no_grad()
 def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
-    """Summed log-likelihood of every continuation in choices[i] after contexts[i].
-
-    Tokenised as lm-evaluation-harness does (continuation tokens = tokens of the whole
-    string after the context's tokens). Each context is run once and its KV cache
-    copied to its choices, so a 5-shot prompt is not recomputed for every option, and
-    what contexts share at their start (MMLU's shots of one subject, TruthfulQA's
-    6-shot primer) is run once for a batch (scoring_order, sample.prefill). When
-    every continuation of a batch is one token (MMLU's ' A'..' D'), the context's last
-    state alone scores them: no cache for its rows, no copies of it, no pass over the
-    continuations.
-    Returns a list of lists of floats."""
+    """Summed log-likelihood of every continuation in choices[i] after contexts[i], tokenised
+    as lm-evaluation-harness does (a continuation's tokens are those of the whole string
+    after the context's). Each context runs once and its KV cache is copied to its choices,
+    so a 5-shot prompt is not computed again for every option; where every continuation of
+    a batch is one token (MMLU's ' A'..' D'), the context's last state alone scores them,
+    with no cache at all. Returns a list of lists of floats."""
     device = model.lm_head.weight.device
     ctx_ids = tok.encode_batch(contexts)
-    cont_ids = []
-    for ctx, c_ids, opts in zip(contexts, ctx_ids, choices):
-        cont_ids.append([whole[len(c_ids):] for whole in tok.encode_batch([ctx + o for o in opts])])
-    results, order = [None] * len(contexts), scoring_order(ctx_ids)
+    cont_ids = [[whole[len(c):] for whole in tok.encode_batch([ctx + o for o in opts])]
+                for ctx, c, opts in zip(contexts, ctx_ids, choices)]
+    order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))  # like lengths share a batch: less padding
+    results = [None] * len(contexts)
     for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
         batch = order[start:start + batch_size]
         conts = [c for i in batch for c in cont_ids[i]]
         owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
-        if all(len(c) == 1 for c in conts):
-            # the longest 5-shot MMLU batch's cache (16 prompts of about 1,700 tokens) copied to its 4
-            # choices would take 13 GB for Qwen3-0.6B in bf16, and twice that in fp32: no cache is kept
-            last = prefill(model, [ctx_ids[i] for i in batch], tok.pad_id, keep_cache=False)[2]  # (B, hidden)
+        ids, mask = left_pad([ctx_ids[i] for i in batch], tok.pad_id, device)
+        L = max(map(len, conts))
+        cache = model.new_cache(len(batch), ids.shape[1] + L) if L > 1 else None
+        last = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]  # (B, hidden)
+        if L == 1:
             sums = model.token_logprobs(last[owner], torch.tensor([c[0] for c in conts], device=device)).tolist()
         else:
-            sums = continuation_sums(model, [ctx_ids[i] for i in batch], owner, conts, tok.pad_id)
-        k = 0
+            cache.select_rows(owner)  # each context's keys and values copied to its choices' rows
+            c_ids = torch.tensor([c + [tok.pad_id] * (L - len(c)) for c in conts], device=device)
+            c_mask = torch.tensor([[1] * len(c) + [0] * (L - len(c)) for c in conts], device=device)
+            hidden = model(c_ids, attention_mask=torch.cat([mask[owner], c_mask], 1), cache=cache, hidden_only=True)
+            states = torch.cat([last[owner][:, None], hidden[:, :-1]], 1)  # the state before each continuation token
+            keep = c_mask.bool()  # right padding: after every real token, never read by one
+            logp = model.token_logprobs(states[keep], c_ids[keep])
+            rows = torch.arange(len(conts), device=device)[:, None].expand_as(keep)[keep]
+            sums = torch.zeros(len(conts), device=device).index_add_(0, rows, logp).tolist()
         for i in batch:
-            results[i] = sums[k:k + len(cont_ids[i])]
-            k += len(cont_ids[i])
+            results[i], sums = sums[:len(cont_ids[i])], sums[len(cont_ids[i]):]
     return results
 
 
-def scoring_order(ctx_ids):
-    """Contexts in the order they are scored: those that open with the same
-    sample.SHARED_PROMPT_MIN tokens or more side by side (MMLU's questions of one subject,
-    after its shots), so that a batch runs what they share once (sample.prefill), each such
-    group's longest first; every other context after them, longest first (similar
-    lengths share a batch, with less padding)."""
-    lexical = sorted(range(len(ctx_ids)), key=lambda i: ctx_ids[i])  # a shared opening's contexts adjacent
-    group_of = prompt_groups([ctx_ids[i] for i in lexical])[0]
-    size = collections.Counter(group_of)
-    group = {i: g if size[g] > 1 else len(size) for i, g in zip(lexical, group_of)}
-    return sorted(range(len(ctx_ids)), key=lambda i: (group[i], -len(ctx_ids[i])))
-
-
-def continuation_sums(model, contexts, owner, conts, pad_id):
-    """Summed log-likelihood of each continuation conts[r] after context owner[r] (lists of
-    token ids): the contexts run once (sample.prefill), their KV cache copied to the rows."""
-    device = model.lm_head.weight.device
-    L = max(len(c) for c in conts)
-    cache, mask, last = prefill(model, contexts, pad_id, L, rows=len(owner))  # last: (B, hidden)
-    cache.select_rows(owner)
-    # continuations right-padded: padding after the real tokens never influences them
-    c_ids = torch.full((len(conts), L), pad_id, dtype=torch.long, device=device)
-    c_mask = torch.zeros((len(conts), L), dtype=torch.long, device=device)
-    for r, c in enumerate(conts):
-        c_ids[r, :len(c)] = torch.tensor(c, device=device)
-        c_mask[r, :len(c)] = 1
-    hidden = model(c_ids, attention_mask=torch.cat([mask[owner], c_mask], 1), cache=cache, hidden_only=True)
-    states = torch.cat([last[owner][:, None], hidden[:, :-1]], 1)  # state before each continuation token
-    keep = c_mask.bool()
-    logp = model.token_logprobs(states[keep], c_ids[keep])
-    rows = torch.arange(len(conts), device=device)[:, None].expand_as(keep)[keep]
-    return torch.zeros(len(conts), device=device).index_add_(0, rows, logp).tolist()
-
-
-def eval_gsm8k(model, tok, args):
+def eval_gsm8k(model, tok, args, shots):
+    """Greedy GSM8K accuracy with `shots` solved train examples before each question: 0 is the
+    format RL, OPD and drift prompt with (the states the methods train on), 5 lm-eval's."""
     test, train = data.load_gsm8k("test", args.data_dir), data.load_gsm8k("train", args.data_dir)
     rows = test[:args.gsm8k_limit] if args.gsm8k_limit > 0 else test
-    if args.gsm8k_shots > len(train):  # slicing would give fewer shots than asked, silently
-        raise M.InputError(f"--gsm8k-shots {args.gsm8k_shots}: the train split holds {len(train)} examples; "
-                           f"pass --gsm8k-shots {len(train)} or fewer (lm-evaluation-harness uses 5)")
-    shots = train[:args.gsm8k_shots]
-    prompts = [data.gsm8k_prompt(r["question"], shots) for r in rows]
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+    if shots > len(train):  # slicing would give fewer shots than asked, silently
+        raise M.InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train)} examples; pass "
+                           f"--gsm8k-fewshot {len(train)} or fewer (lm-evaluation-harness uses 5)")
+    prompts = [data.gsm8k_prompt(r["question"], train[:shots]) for r in rows]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths share a batch
     completions = [None] * len(prompts)
-    for start in tqdm(range(0, len(order), args.batch_size), desc="gsm8k", leave=False):
+    for start in tqdm(range(0, len(order), args.batch_size), desc=f"gsm8k {shots}-shot", leave=False):
         batch = order[start:start + args.batch_size]
         outs = generate(model, tok, [prompts[i] for i in batch], max_new_tokens=args.max_new_tokens,
                         temperature=0, stop=data.GSM8K_STOP)
@@ -141,12 +111,17 @@ def eval_gsm8k(model, tok, args):
     samples = []
     for i, (row, text) in enumerate(zip(rows, completions)):
         strict, flexible = data.extract_answer(text, "strict"), data.extract_answer(text, "flexible")
-        samples.append(dict(task="gsm8k", index=i, prompt=prompts[i], completion=text, gold=row["gold"],
+        samples.append(dict(task=gsm8k_key(shots), index=i, prompt=prompts[i], completion=text, gold=row["gold"],
                             strict=strict, flexible=flexible, correct=data.same_number(flexible, row["gold"]),
                             strict_correct=data.same_number(strict, row["gold"])))
     return dict(**mean_and_stderr("flexible", [s["correct"] for s in samples]),
                 **mean_and_stderr("strict", [s["strict_correct"] for s in samples]),
-                n=len(samples), shots=len(shots)), samples
+                n=len(samples), shots=shots), samples
+
+
+def gsm8k_key(shots):
+    """eval.json's key of a GSM8K score: gsm8k for the 0-shot one, gsm8k_fewshot for the other."""
+    return "gsm8k" if shots == 0 else "gsm8k_fewshot"
 
 
 def eval_mmlu(model, tok, args):
@@ -215,7 +190,8 @@ SAME_QUESTIONS = {"mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"), 
 
 # and the flags that decide a table column's questions, prompts or rollouts: numbers in
 # one column are comparable only when these agree (check_comparable)
-SAME_COLUMN = {"gsm8k": ("gsm8k_limit", "gsm8k_shots", "max_new_tokens"), **SAME_QUESTIONS}
+SAME_COLUMN = {"gsm8k": ("gsm8k_limit", "max_new_tokens"), "gsm8k_fewshot": ("gsm8k_limit", "gsm8k_fewshot",
+                                                                              "max_new_tokens"), **SAME_QUESTIONS}
 
 
 def deciding_flags(task, settings):
@@ -224,10 +200,10 @@ def deciding_flags(task, settings):
     return [flag for flag in SAME_COLUMN[task] if not (flag == "seed" and settings.get("mmlu_limit") == 0)]
 
 
-def check_comparable(runs):
+def check_comparable(found):
     """Stop when two rows of one table column were measured on other questions (evaluate.py's
     flags) or other rollouts and features (drift.py's): a difference between them would
-    be the flags', not the training's. runs as collect_runs gathers them."""
+    be the flags', not the training's. found: the runs as collect_runs gathers them."""
     first = {}
 
     def same(name, column, flag, value, fix):
@@ -236,7 +212,7 @@ def check_comparable(runs):
             raise M.InputError(f"{name}'s {column} was measured with --{flag.replace('_', '-')} {value}, {seen_name}'s "
                                f"with {seen_value}; {fix} both with the same flags to put them in one table")
 
-    for name, run in runs.items():
+    for name, run in found.items():
         settings = run["eval"].get("settings", {})
         for task in SAME_COLUMN:
             for flag in deciding_flags(task, settings) if task in run["eval"] else ():
@@ -251,7 +227,7 @@ def check_comparable(runs):
 
 def check_same_questions(base_result, args, base_path):
     settings = base_result.get("settings", {})
-    if "model" in settings and lora.same_model(settings["model"], args.model) is False:
+    if "model" in settings and runs.same_model(settings["model"], args.model) is False:
         raise M.InputError(f"{base_path} is the evaluation of base {settings['model']}, but --model is {args.model}; "
                            f"forgetting compares a run with its own base: pass --model {settings['model']}, or another "
                            f"--out for this base")
@@ -345,13 +321,31 @@ def current(folder, args=None):
         return False
     settings = result.get("settings", {})
     if args is not None and getattr(args, "model", None) and "model" in settings:
-        if lora.same_model(settings["model"], args.model) is False:  # a study folder used again for another model
+        if runs.same_model(settings["model"], args.model) is False:  # a study folder used again for another model
             return False
-    for task in args.tasks.split(",") if args is not None else ():
-        if task not in result or any(settings.get(flag, getattr(args, flag)) != getattr(args, flag)
-                                     for flag in SAME_COLUMN[task]):
+    for key in result_keys(args) if args is not None else ():
+        if key not in result or any(settings.get(flag, getattr(args, flag)) != getattr(args, flag)
+                                    for flag in SAME_COLUMN[key]):
             return False
     return True
+
+
+def result_keys(args):
+    """The keys of eval.json that evaluate.py's flags ask for."""
+    tasks = args.tasks.split(",")
+    return [k for t in tasks for k in ([t, "gsm8k_fewshot"] if t == "gsm8k" and args.gsm8k_fewshot else [t])]
+
+
+def study_folders(root):
+    """The folders under root that hold a study of their own, as reproduce.py's --out does: a
+    base evaluation (eval.json) beside run folders with theirs. Their runs are not root's."""
+    found = []
+    for base, folders, files in os.walk(root):
+        if base != root and "eval.json" in files and any(
+                os.path.isfile(os.path.join(base, f, "eval.json")) for f in folders):
+            found.append(base)
+            folders.clear()  # its runs are its own
+    return sorted(found)
 
 
 def collect_runs(root):
@@ -361,16 +355,17 @@ def collect_runs(root):
     adapter's scores would stand beside the new one's update norm and state_nll), a run's
     forgetting measured against other base scores than the base row's, and two rows of
     one column measured with other flags (check_comparable)."""
-    runs = {}
+    found = {}
     if os.path.isfile(os.path.join(root, "eval.json")):
-        runs["base"] = {"eval": read_json(os.path.join(root, "eval.json"))}
-    base_scores = retention_scores(runs["base"]["eval"]) if runs else {}
+        found["base"] = {"eval": read_json(os.path.join(root, "eval.json"))}
+    base_scores = retention_scores(found["base"]["eval"]) if found else {}
+    studies = study_folders(root)
     for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
         folder = os.path.join(root, name)
-        if os.path.isfile(os.path.join(folder, "eval.json")):
-            runs[name] = {"eval": read_json(os.path.join(folder, "eval.json"))}
+        if os.path.isfile(os.path.join(folder, "eval.json")) and folder not in studies:
+            found[name] = {"eval": read_json(os.path.join(folder, "eval.json"))}
             # forgetting measured against an earlier evaluation of the base (one of other questions, or another model)
-            measured_against = runs[name]["eval"].get("retention", {}).get("base", {})
+            measured_against = found[name]["eval"].get("retention", {}).get("base", {})
             changed = [t for t, score in measured_against.items() if t in base_scores and base_scores[t] != score]
             if changed:
                 t = changed[0]
@@ -382,38 +377,40 @@ def collect_runs(root):
                     raise M.InputError(f"{folder}/eval.json scored an earlier adapter than the one {folder} holds now "
                                        f"(trained since); evaluate it again: python evaluate.py {folder} with the flags in "
                                        f"its settings")
-                runs[name]["update_norm"] = lora.update_norm(folder)
+                found[name]["update_norm"] = lora.update_norm(folder)
             if os.path.isfile(os.path.join(folder, "drift.json")):
                 if not drift.current(folder):
                     raise M.InputError(f"{folder}/drift.json measured an earlier adapter than the one {folder} holds "
                                        f"now, or came from an older estimator; measure it again: python drift.py "
                                        f"{folder} with the flags in its settings")
-                runs[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
+                found[name]["drift"] = read_json(os.path.join(folder, "drift.json"))
             log = os.path.join(folder, "log.jsonl")
             if os.path.isfile(log):
-                nll = [r["state_nll"] for r in lora.read_log(log) if r.get("state_nll") is not None]
-                runs[name]["state_nll"] = sum(nll) / len(nll) if nll else None
-    check_comparable(runs)
+                nll = [r["state_nll"] for r in runs.read_log(log) if r.get("state_nll") is not None]
+                found[name]["state_nll"] = sum(nll) / len(nll) if nll else None
+    check_comparable(found)
     rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)
-    ordered = sorted(runs, key=lambda n: (rank(n), n))
-    return {n: runs[n] for n in ordered}
+    ordered = sorted(found, key=lambda n: (rank(n), n))
+    return {n: found[n] for n in ordered}
 
 
-def table_rows(runs):
+def table_rows(found):
     rows = []
-    for name, run in runs.items():
-        e = run["eval"]
+    for name, run in found.items():
+        e, d = run["eval"], run.get("drift", {})
         ret = e.get("retention", {})
-        rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"), truthfulqa=e.get("truthfulqa", {}).get("mc1"),
-                         mmlu=e.get("mmlu", {}).get("acc"), mmd=run.get("drift", {}).get("mmd2"),
+        rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"),
+                         gsm8k_fewshot=e.get("gsm8k_fewshot", {}).get("flexible"),
+                         truthfulqa=e.get("truthfulqa", {}).get("mc1"), mmlu=e.get("mmlu", {}).get("acc"),
+                         mmd2=d.get("mmd2"), mmd=None if d.get("mmd2") is None else max(d["mmd2"], 0.0) ** 0.5,
                          forgetting=ret.get("forgetting"), forgetting_stderr=ret.get("forgetting_stderr"),
-                         retention=ret.get("retention"),
-                         state_nll=run.get("state_nll"), update_norm=run.get("update_norm")))
+                         retention=ret.get("retention"), state_nll=run.get("state_nll"),
+                         update_norm=run.get("update_norm")))
     return rows
 
 
-METRICS = ("gsm8k", "truthfulqa", "mmlu", "mmd", "forgetting", "forgetting_stderr", "retention", "state_nll",
-           "update_norm")
+METRICS = ("gsm8k", "gsm8k_fewshot", "truthfulqa", "mmlu", "mmd2", "mmd", "forgetting", "forgetting_stderr",
+           "retention", "state_nll", "update_norm")
 
 
 def group_seeds(rows):
@@ -463,7 +460,7 @@ def permutation_p(x, y, rounds=10_000, seed=0):
     return sum(abs(statistics.correlation(x, p)) >= observed for p in pairings) / len(pairings)
 
 
-def drift_vs_forgetting(rows, measure="mmd"):
+def drift_vs_forgetting(rows, measure="mmd2"):
     """The paper's P4 as two numbers: Spearman's rank correlation and Pearson's correlation
     between a drift measure (MMD^2 of the states, or the adapter's update_norm in weight
     space) and forgetting over the rows that have both (the base has neither), each with
@@ -479,7 +476,7 @@ def drift_vs_forgetting(rows, measure="mmd"):
                 pearson=statistics.correlation(drift, forgetting), pearson_p=permutation_p(drift, forgetting))
 
 
-def drift_forgetting_correlations(single_rows, measure="mmd"):
+def drift_forgetting_correlations(single_rows, measure="mmd2"):
     """drift_vs_forgetting over the conditions (seeds merged, group_seeds) and over the
     single runs, each seed apart: what results.md prints under its table and results.json keeps."""
     return dict(conditions=drift_vs_forgetting(group_seeds(single_rows), measure),
@@ -498,23 +495,30 @@ def p_values(correlations):
     return f"p-values {p[0]} and {p[1]}"
 
 
-def results_markdown(runs):
+def results_markdown(found):
     """results.md: one row per condition (seeds merged), each cell ours / the paper's Table 2,
     and the drift-forgetting correlations under it. Rows none of which is a paper condition
     (a run's snapshots, a study of one's own) get our numbers alone."""
     # MMD^2 in significant digits: a small model's drift can be 1e-5 where the paper's is 1e-2
     # (key, header, format, how the cell reads): "paper" ours / the paper's, "spread" ours with
     # the spread over seeds, "mean" ours alone (a standard error's spread over seeds says little)
-    cols = [("gsm8k", "GSM8K", ".3f", "paper"), ("truthfulqa", "TruthfulQA", ".3f", "paper"),
-            ("mmlu", "MMLU", ".3f", "paper"), ("mmd", "MMD", ".4g", "paper"), ("forgetting", "forgetting", ".4f", "paper"),
-            ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"), ("retention", "retention", ".4f", "paper"),
-            ("state_nll", "state_nll", ".3f", "spread"), ("update_norm", "update norm", ".2f", "spread")]
-    single_rows = table_rows(runs)
+    single_rows = table_rows(found)
     rows = group_seeds(single_rows)
+    fewshot = [("gsm8k_fewshot", "GSM8K few-shot", ".3f", "spread")] if any(
+        r["gsm8k_fewshot"] is not None for r in rows) else []
+    cols = [("gsm8k", "GSM8K 0-shot", ".3f", "paper"), *fewshot, ("truthfulqa", "TruthfulQA", ".3f", "paper"),
+            ("mmlu", "MMLU", ".3f", "paper"), ("mmd2", "MMD^2", ".4g", "spread"), ("mmd", "MMD", ".4g", "paper"),
+            ("forgetting", "forgetting", ".4f", "paper"), ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"),
+            ("retention", "retention", ".4f", "paper"), ("state_nll", "state_nll", ".3f", "spread"),
+            ("update_norm", "update norm", ".2f", "spread")]
     with_paper = any(row["run"] in PAPER for row in rows)
     lines = [("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "") +
-             "GSM8K flexible accuracy, TruthfulQA MC1, MMLU accuracy, MMD^2 of rollout states against the base, "
-             "forgetting and retention averaged over TruthfulQA and MMLU. forgetting s.e.: the standard error of a "
+             "GSM8K flexible accuracy, greedy, 0-shot in the format the methods train on" +
+             (" (few-shot: lm-evaluation-harness's 5 solved examples first)" if fewshot else "") +
+             "; TruthfulQA MC1; MMLU accuracy; MMD^2 of rollout states against the base and MMD = sqrt(max(MMD^2, 0))" +
+             (" (Table 2's column is headed MMD)" if with_paper else "") +
+             "; forgetting and retention averaged over TruthfulQA and MMLU. "
+             "forgetting s.e.: the standard error of a "
              "run's forgetting from the finite number of questions, over each question's difference from the base's "
              "answer to it (ours alone). state_nll: mean NLL of the states each run trained on. update norm: how far "
              "training moved the weights, the Frobenius norm of the adapter's update over all the layers it adapts "
@@ -534,10 +538,10 @@ def results_markdown(runs):
     correlations = drift_forgetting_correlations(single_rows)
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?
-        lines += ["", f"MMD against forgetting (P4) over the {ours['n']} {over}: Spearman's rank correlation "
+        lines += ["", f"MMD^2 against forgetting (P4) over the {ours['n']} {over}: Spearman's rank correlation "
                       f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (two-sided permutation {p_values(ours)}"]
         if with_paper:
-            paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()])
+            paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()], "mmd")
             lines[-1] += (f"; the paper's Table 2, {paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f}, "
                           f"{p_values(paper)}")
         lines[-1] += ")."
@@ -572,16 +576,20 @@ def task_list(text):
 def add_eval_args(p):
     p.add_argument("--tasks", type=task_list, default="gsm8k,mmlu,truthfulqa",
                    help="comma-separated subset of gsm8k,mmlu,truthfulqa")
-    p.add_argument("--gsm8k-limit", type=M.number(int, 0), default=500, help="first N GSM8K test questions (0 = all 1,319)")
-    p.add_argument("--gsm8k-shots", type=M.number(int, 0), default=5, help="few-shot examples from the train split")
-    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="GSM8K generation budget")
-    p.add_argument("--mmlu-limit", type=M.number(int, 0), default=500,
+    p.add_argument("--gsm8k-limit", type=runs.number(int, 0), default=500,
+                   help="first N GSM8K test questions (0 = all 1,319)")
+    p.add_argument("--gsm8k-fewshot", type=runs.number(int, 0), default=5,
+                   help="also score GSM8K with this many solved train examples before each question, as "
+                        "lm-evaluation-harness does (0 = only the 0-shot score, the format the methods train on)")
+    p.add_argument("--max-new-tokens", type=runs.number(int, 1), default=256, help="GSM8K generation budget")
+    p.add_argument("--mmlu-limit", type=runs.number(int, 0), default=500,
                    help="MMLU test questions, stratified over subjects (0 = all 14,042)")
-    p.add_argument("--mmlu-shots", type=M.number(int, 0), default=5, help="dev examples per subject")
+    p.add_argument("--mmlu-shots", type=runs.number(int, 0), default=5, help="dev examples per subject")
     p.add_argument("--mmlu-scoring", choices=["letter", "text"], default="letter",
                    help="score ' A'..' D' (lm-eval mmlu) or each choice's own text (lm-eval continuation variant)")
-    p.add_argument("--truthfulqa-limit", type=M.number(int, 0), default=0, help="first N TruthfulQA questions (0 = all 817)")
-    p.add_argument("--batch-size", type=M.number(int, 1), default=16, help="prompts per batch")
+    p.add_argument("--truthfulqa-limit", type=runs.number(int, 0), default=0,
+                   help="first N TruthfulQA questions (0 = all 817)")
+    p.add_argument("--batch-size", type=runs.number(int, 1), default=16, help="prompts per batch")
     p.add_argument("--seed", type=int, default=1234, help="seed of the MMLU subset")
 
 
@@ -589,35 +597,42 @@ def evaluate(model, tok, args):
     """Run the selected tasks on whatever adapter is active; returns (results, samples)."""
     results, samples = {}, []
     for task in args.tasks.split(","):
-        if task not in TASKS:
-            raise M.InputError(f"unknown task {task!r}; choose from {','.join(TASKS)}")
-        res, smp = {"gsm8k": eval_gsm8k, "mmlu": eval_mmlu, "truthfulqa": eval_truthfulqa}[task](model, tok, args)
-        results[task] = res
-        samples += smp
+        if task == "gsm8k":
+            for shots in [0] + [args.gsm8k_fewshot] * (args.gsm8k_fewshot > 0):
+                results[gsm8k_key(shots)], part = eval_gsm8k(model, tok, args, shots)
+                samples += part
+        else:
+            results[task], part = {"mmlu": eval_mmlu, "truthfulqa": eval_truthfulqa}[task](model, tok, args)
+            samples += part
     return results, samples
 
 
 def write_eval(folder, results, samples):
     os.makedirs(folder, exist_ok=True)
-    lora.write_json(os.path.join(folder, "eval.json"), results)
-    lora.write_atomic(os.path.join(folder, "eval_samples.jsonl"),
-                      lambda p: open(p, "w").write("".join(json.dumps(s) + "\n" for s in samples)))
+    M.write_json(os.path.join(folder, "eval.json"), results)
+    M.write_atomic(os.path.join(folder, "eval_samples.jsonl"),
+                   lambda p: open(p, "w").write("".join(json.dumps(s) + "\n" for s in samples)))
 
 
 def write_table(root):
-    runs = collect_runs(root)
-    if not runs:
-        raise M.InputError(f"no eval.json under {root}; run `python evaluate.py base ...` first")
-    text = results_markdown(runs)
-    lora.write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
+    """Print and write root/results.md; the studies in folders under root are named, not mixed in."""
+    found, nested = collect_runs(root), study_folders(root)
+    if not found:
+        where = f"; the studies under it: {', '.join(nested)} (pass one of them)" if nested else ""
+        raise M.InputError(f"no eval.json in {root} or its run folders{where}; run `python evaluate.py base ...` first")
+    text = results_markdown(found)
+    M.write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
+    for folder in nested:
+        print(f"note: {folder} holds a study of its own, left out of this table: python evaluate.py --table {folder}")
     return text
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="*", help="'base' and/or run folders (base model + that run's adapter)")
-    M.add_model_args(p)
-    p.add_argument("--out", default="out", help="output root; the base model's eval.json goes here")
+    runs.add_model_args(p)
+    p.add_argument("--out", default=None, help="the study folder, where the base model's eval.json is (default: the "
+                                               "folder holding the first run folder given, else out)")
     p.add_argument("--table", metavar="ROOT", default=None, help="only print and write ROOT/results.md")
     add_eval_args(p)
     args = p.parse_args(argv)
@@ -627,9 +642,11 @@ def main(argv=None):
     if not args.runs:
         p.error("name 'base' and/or run folders to evaluate, or use --table ROOT")
     args.runs = list(dict.fromkeys(args.runs))  # a run named twice (overlapping globs) is evaluated once
-    for run in args.runs:
-        if run != "base":
-            lora.check_run_folder(run, args.model, also=", or 'base'")
+    folders = [run for run in args.runs if run != "base"]
+    args.out = args.out or (os.path.dirname(os.path.normpath(folders[0])) or "." if folders else "out")
+    runs.model_and_data_from(args, *folders)
+    for run in folders:
+        runs.check_run_folder(run, args.model, also=", or 'base'")
     if "base" in args.runs and os.path.isfile(os.path.join(args.out, "adapter_config.json")):
         raise M.InputError(f"--out {args.out} is a run folder: the base's eval.json would replace the run's; pass the "
                            f"folder that holds the runs (out, say)")
@@ -640,10 +657,11 @@ def main(argv=None):
     if "base" not in args.runs and not os.path.isfile(base_path):
         print(f"note: no base evaluation in {args.out} ({base_path}), so no forgetting or retention for these runs; "
               f"evaluate 'base' there first, or pass the --out that holds it")
+    device, dtype = runs.device_from_args(args)
     # held while evaluated: a second evaluation would mix its eval.json with this one's samples,
     # and a run resumed meanwhile would leave these scores of an adapter it no longer holds
-    with lora.holding(*[args.out if run == "base" else run for run in args.runs], instead=""):
-        model, tok = M.load(args.model, args.device, args.dtype)
+    with runs.holding(*[args.out if run == "base" else run for run in args.runs], instead=""):
+        model, tok = M.load(args.model, device, dtype)
         for run in args.runs:
             if run == "base":
                 lora.set_adapter(model, None)
@@ -664,4 +682,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    M.run_script(main, "rerun with a smaller --batch-size")
+    runs.run_script(main, "rerun with a smaller --batch-size")

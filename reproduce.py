@@ -24,13 +24,15 @@ import json
 import os
 import time
 
+import torch
+
 import data
 import drift
 import evaluate
-import lora
 import model as M
 import opd
 import rl
+import runs
 import sft
 import toy
 
@@ -46,7 +48,7 @@ def runs_of(out, seed=0):
     kd-stress (opd-stress on the teacher's states instead of the student's). Seed 0
     writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD teachers too)."""
     tag = f"-seed{seed}" if seed else ""
-    runs = {
+    conditions = {
         "mild": ("sft", ["--preset", "mild"]),
         "stress": ("sft", ["--preset", "stress"]),
         "opd-mild": ("opd", ["--teacher", os.path.join(out, "mild" + tag)]),
@@ -55,9 +57,11 @@ def runs_of(out, seed=0):
         "opd-logits": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--signal", "logits"]),
         "rl": ("rl", []),
     }
-    return {name + tag: (script, [*argv, "--seed", str(seed)]) for name, (script, argv) in runs.items()}
+    return {name + tag: (script, [*argv, "--seed", str(seed)]) for name, (script, argv) in conditions.items()}
 
 
+# the toy's scoring: zero-shot prompts (its context is 256 tokens), MMLU by each choice's text
+TOY_EVAL = ["--gsm8k-fewshot", "0", "--mmlu-shots", "0", "--mmlu-scoring", "text", "--max-new-tokens", "96"]
 PRESETS = {
     "paper": dict(model=M.DEFAULT_MODEL, train={}, eval=[], drift=[]),
     "smoke": dict(
@@ -65,7 +69,7 @@ PRESETS = {
         train={"sft": ["--train-limit", "32", "--batch-size", "4", "--max-steps", "4"],
                "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-steps", "2"],
                "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16", "--continuation-tokens", "8", "--max-steps", "2"]},
-        eval=["--gsm8k-limit", "4", "--gsm8k-shots", "1", "--max-new-tokens", "16", "--mmlu-limit", "4",
+        eval=["--gsm8k-limit", "4", "--gsm8k-fewshot", "1", "--max-new-tokens", "16", "--mmlu-limit", "4",
               "--mmlu-shots", "1", "--truthfulqa-limit", "4", "--batch-size", "4"],
         drift=["--prompts", "4", "--max-new-tokens", "24", "--stride", "8", "--permutations", "20"]),
     # the CPU-scale model organism (toy.py): hyperparameters scaled for a 3.7M-parameter base
@@ -80,7 +84,7 @@ PRESETS = {
                "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96", "--lr", "3e-4",
                       "--warmup", "0.05"],
                "opd": ["--steps", "60", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "1e-3"]},
-        eval=toy.EVAL_ARGS + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0", "--batch-size", "32"],
+        eval=TOY_EVAL + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0", "--batch-size", "32"],
         drift=["--prompts", "200", "--max-new-tokens", "96"]),
     # the same stages on a miniature world and model, for CI: minutes, not meaningful
     "toy-mini": dict(
@@ -90,7 +94,7 @@ PRESETS = {
         train={"sft": ["--batch-size", "8", "--max-steps", "3"],
                "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-steps", "2"],
                "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16", "--continuation-tokens", "8", "--max-steps", "2"]},
-        eval=toy.EVAL_ARGS[:-2] + ["--max-new-tokens", "16", "--gsm8k-limit", "4", "--mmlu-limit", "4",
+        eval=TOY_EVAL[:-2] + ["--max-new-tokens", "16", "--gsm8k-limit", "4", "--mmlu-limit", "4",
                                     "--truthfulqa-limit", "4", "--batch-size", "4"],
         drift=["--prompts", "4", "--max-new-tokens", "16", "--stride", "8", "--permutations", "20"]),
 }
@@ -102,12 +106,15 @@ def build_smoke_model(folder, data_dir):
         return folder
     os.makedirs(folder, exist_ok=True)
     rows = data.load_gsm8k("train", data_dir)[:2000]
-    tok_path = M.train_tokenizer([f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows],
-                                 os.path.join(folder, "tokenizer.json"), vocab_size=512)
+    tok_path = toy.train_tokenizer([f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows],
+                                   os.path.join(folder, "tokenizer.json"), vocab_size=512)
     config = M.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
                            rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=0)
-    return M.save(M.init_weights(M.Qwen3(config), std=0.1), folder, tok_path)
+    net, g = M.Qwen3(config), torch.Generator().manual_seed(0)
+    for name, p in net.named_parameters():  # normal(0, 0.1), norms at one
+        p.data = torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.1
+    return M.save(net, folder, tok_path)
 
 
 class Stages:
@@ -127,30 +134,30 @@ class Stages:
         fn()
         self.timings[name] = round(time.time() - t0, 1)
         self.ran += 1
-        lora.write_json(self.path, self.timings)
+        M.write_json(self.path, self.timings)
         print(f"[finished] {name} in {self.timings[name]:.1f}s")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="toy", help="which study to run")
-    p.add_argument("--seeds", type=M.number(int, 1), default=1,
+    p.add_argument("--seeds", type=runs.number(int, 1), default=1,
                    help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
-    M.add_model_args(p, None, "base model (default: the preset's)")
+    runs.add_model_args(p, model_help="base model (default: the preset's)")
     args = p.parse_args(argv)
     preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
-    with lora.holding(out):  # a second reproduce.py in the same folder would train the same runs at once
+    with runs.holding(out):  # a second reproduce.py in the same folder would train the same runs at once
         study(args, preset, out)
 
 
 def study(args, preset, out):
     """Every stage of the preset in out, each skipped when its outputs are there (main)."""
     print(vars(args))
-    if args.preset == "paper" and M.resolve_device(args.device)[0].type == "cpu":
-        print("note: the paper preset on a CPU takes days (2 to 4 hours is the estimate for one GPU); "
-              "--preset toy runs the whole study at CPU scale in about 25 minutes")
+    if args.preset == "paper" and runs.resolve_device(args.device)[0].type == "cpu":
+        print("note: the paper preset is meant for a GPU, and would take days on a CPU; --preset toy is the study at "
+              "CPU scale")
     if preset["model"] == "toy":  # the world is the dataset: build (or reuse) it and its pretrained base
         toy_args = argparse.ArgumentParser()
         toy.add_toy_args(toy_args)
@@ -166,7 +173,7 @@ def study(args, preset, out):
     stages = Stages(out)
     # the preset's evaluation and drift flags: a result measured otherwise (by hand) is measured again
     eval_flags, drift_flags = argparse.ArgumentParser(), argparse.ArgumentParser()
-    M.add_model_args(eval_flags)
+    runs.add_model_args(eval_flags)
     evaluate.add_eval_args(eval_flags)
     drift.add_drift_args(drift_flags)
     eval_flags = eval_flags.parse_args(["--model", model, *preset["eval"]])
@@ -175,43 +182,57 @@ def study(args, preset, out):
     stages.run("evaluate base", evaluate.current(out, eval_flags),
                lambda: evaluate.main(["base", "--out", out, *common, *device, *preset["eval"]]))
     if args.preset == "toy":
-        toy.check_base(evaluate.read_json(os.path.join(out, "eval.json")))
-    runs = {k: v for seed in range(args.seeds) for k, v in runs_of(out, seed).items()}
-    for name, (script, extra) in runs.items():
+        check_base(evaluate.read_json(os.path.join(out, "eval.json")))
+    conditions = {k: v for seed in range(args.seeds) for k, v in runs_of(out, seed).items()}
+    for name, (script, extra) in conditions.items():
         folder = os.path.join(out, name)
         resume = ["--resume"] if os.path.isdir(os.path.join(folder, "checkpoint")) else []
         variant = f"{script}-{extra[1]}" if script == "sft" else script  # sft-mild, sft-stress
         argv = [*extra, "--out", folder, *common, *device, *preset["train"].get(script, []),
                 *preset["train"].get(variant, []), *resume]
-        finished = lora.run_finished(folder)
+        finished = runs.run_finished(folder)
         if finished:  # it stands in the table for this preset's run only if it is one
-            lora.check_same_base(folder, model)
-            if lora.teacher_changed(folder):
+            runs.check_same_base(folder, model)
+            if runs.teacher_changed(folder):
                 raise M.InputError(f"{folder} was distilled from an earlier adapter of its teacher than the one there now "
                                    f"(trained again since); delete the folder to train it from the teacher there now, "
                                    f"or pass another --out")
-            changed = lora.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS)
+            changed = runs.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS)
             if changed:
                 raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
                                    f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
         stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
         stages.run(f"evaluate {name}", evaluate.current(folder, eval_flags),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
-    missing = [os.path.join(out, n) for n in runs if not drift.current(os.path.join(out, n), drift_flags)]
+    missing = [os.path.join(out, n) for n in conditions if not drift.current(os.path.join(out, n), drift_flags)]
     stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
 
     table = evaluate.write_table(out)
     rows = evaluate.table_rows(evaluate.collect_runs(out))
-    lora.write_json(os.path.join(out, "results.json"), dict(preset=args.preset, model=model, rows=rows,
+    M.write_json(os.path.join(out, "results.json"), dict(preset=args.preset, model=model, rows=rows,
                                                            drift_vs_forgetting=evaluate.drift_forgetting_correlations(rows),
                                                            update_norm_vs_forgetting=evaluate.drift_forgetting_correlations(
                                                                rows, "update_norm"),
                                                            paper=evaluate.PAPER, timings=stages.timings))
     plot(out, rows)
     print(table)
+    print(f"time of each stage (s): {', '.join(f'{k} {v:.0f}' for k, v in stages.timings.items())}; in all "
+          f"{sum(stages.timings.values()) / 60:.1f} minutes")
     if stages.ran == 0:
         print("every stage was already done; delete a run folder (or its eval.json / drift.json) to redo it")
     print(f"results in {os.path.join(out, 'results.md')} and results.json")
+
+
+def check_base(scores):
+    """The toy base model's calibration band: room to move both ways on every task."""
+    bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.6), "mmlu": (scores["mmlu"]["acc"], 0.5, 0.95),
+             "truthfulqa": (scores["truthfulqa"]["mc1"], 0.5, 0.95)}
+    for name, (value, lo, hi) in bands.items():
+        print(f"base {name}: {value:.3f} (band {lo} to {hi})")
+    bad = [f"{n} {v:.3f} outside [{lo}, {hi}]" for n, (v, lo, hi) in bands.items() if not lo <= v < hi]
+    if bad:
+        raise SystemExit(f"the toy base model is out of its calibration band: {'; '.join(bad)}; change "
+                         f"--pretrain-steps or --target-problems in the toy preset and delete the base-model folder")
 
 
 def plot(out, rows):
@@ -222,14 +243,14 @@ def plot(out, rows):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    runs = [r for r in rows if r["run"] != "base" and r["gsm8k"] is not None and r["retention"] is not None]
+    points = [r for r in rows if r["run"] != "base" and r["gsm8k"] is not None and r["retention"] is not None]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for r in runs:
+    for r in points:
         a.scatter(r["retention"], r["gsm8k"])
         a.annotate(r["run"], (r["retention"], r["gsm8k"]))
-        if r["mmd"] is not None and r["forgetting"] is not None:
-            b.errorbar(r["mmd"], r["forgetting"], yerr=r["forgetting_stderr"], fmt="o", capsize=3)
-            b.annotate(r["run"], (r["mmd"], r["forgetting"]))
+        if r["mmd2"] is not None and r["forgetting"] is not None:
+            b.errorbar(r["mmd2"], r["forgetting"], yerr=r["forgetting_stderr"], fmt="o", capsize=3)
+            b.annotate(r["run"], (r["mmd2"], r["forgetting"]))
     a.set(xlabel="mean retention ratio", ylabel="GSM8K accuracy", title="target vs retention")
     b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting (bars: one standard error)",
           title="drift vs forgetting (P4)")
@@ -239,4 +260,4 @@ def plot(out, rows):
 
 
 if __name__ == "__main__":
-    M.run_script(main)
+    runs.run_script(main)

@@ -19,7 +19,6 @@ policy also learns when to stop) rather than a per-sequence mean.
     python rl.py --max-steps 20 --out out/rl-short
 """
 import argparse
-import itertools
 import statistics
 import time
 
@@ -29,26 +28,27 @@ from tqdm import tqdm
 import data
 import lora
 import model as M
+import runs
 from sample import generate
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/rl", help="run folder")
-    p.add_argument("--steps", type=M.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
-    p.add_argument("--prompts-per-step", type=M.number(int, 1), default=8, help="GSM8K train prompts per step")
+    p.add_argument("--steps", type=runs.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
+    p.add_argument("--prompts-per-step", type=runs.number(int, 1), default=8, help="GSM8K train prompts per step")
     p.add_argument("--group-size", default=8, help="completions sampled per prompt",
-                   type=M.number(int, 2, why="the advantage compares each sample with the others of its prompt"))
+                   type=runs.number(int, 2, why="the advantage compares each sample with the others of its prompt"))
     p.add_argument("--temperature", default=1.0, help="sampling temperature of the rollouts",
-                   type=M.number(float, 0, above=True, why="at 0 a prompt's samples are all the same: no advantage"))
-    p.add_argument("--max-new-tokens", type=M.number(int, 1), default=256, help="longest completion")
-    p.add_argument("--ppo-epochs", type=M.number(int, 1), default=1,
+                   type=runs.number(float, 0, above=True, why="at 0 a prompt's samples are all the same: no advantage"))
+    p.add_argument("--max-new-tokens", type=runs.number(int, 1), default=256, help="longest completion")
+    p.add_argument("--ppo-epochs", type=runs.number(int, 1), default=1,
                    help="gradient steps per batch of rollouts (1 = on-policy)")
-    p.add_argument("--clip", type=M.number(float, 0, above=True), default=0.2,
+    p.add_argument("--clip", type=runs.number(float, 0, above=True), default=0.2,
                    help="PPO ratio clip, used when --ppo-epochs > 1")
-    p.add_argument("--kl-coef", type=M.number(float, 0), default=0.0,
+    p.add_argument("--kl-coef", type=runs.number(float, 0), default=0.0,
                    help="weight of the k3 KL estimate against the base model")
-    lora.add_training_args(p, lr=2e-5, rank=16, alpha=32, warmup=0.0)
+    runs.add_training_args(p, lr=2e-5, rank=16, alpha=32, warmup=0.0)
     return p.parse_args(argv)
 
 
@@ -60,10 +60,13 @@ def group_advantages(rewards, group_size):
 
 def policy_loss(logp, old_logp, advantages, clip, ref_logp=None, kl_coef=0.0):
     """Clipped policy-gradient loss plus an optional k3 KL term, all per token, (N,) each.
-    Returns (loss, metrics); the mean divides by the number of completion tokens in the batch."""
+    Returns (loss, metrics); the mean divides by the number of completion tokens given."""
     ratio = (logp - old_logp).exp()
     pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
-    metrics = dict(clip_frac=((ratio - 1).abs() > clip).float().mean().item())
+    # on the first epoch logp and old_logp are one policy computed twice (trainer, sampler):
+    # their gap is float rounding, the measure of how on-policy the step is
+    metrics = dict(clip_frac=((ratio - 1).abs() > clip).float().mean().item(),
+                   sampler_gap=(logp - old_logp).abs().mean().item())
     if ref_logp is not None and kl_coef > 0:
         # k3 estimator of KL(pi || ref), unbiased and always >= 0 (Schulman 2020, "Approximating KL divergence")
         log_r = ref_logp - logp
@@ -79,9 +82,10 @@ def exact_answer_reward(rollout, row):
 
 def main(argv=None, reward_fn=exact_answer_reward):
     args = parse_args(argv)
+    runs.model_and_data_from(args, args.out if args.resume else None)
     print(vars(args))
-    device, dtype = M.device_from_args(args)
-    run = lora.RunFolder(args.out, args, args.resume)
+    device, dtype = runs.device_from_args(args)
+    run = runs.RunFolder(args.out, args)
     model, tok = M.load(args.model, device, dtype)
     torch.manual_seed(args.seed)  # the initial LoRA A matrices
     lora.add_lora(model, args.rank, args.alpha, args.lora_dropout)
@@ -103,43 +107,41 @@ def main(argv=None, reward_fn=exact_answer_reward):
                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                 stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
             rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
-            adv_per_seq = group_advantages(rewards, args.group_size).to(device)
+            advantages = group_advantages(rewards, args.group_size).to(device)
             sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
             starts = [len(r.prompt_ids) for r in rollouts]
-            old_logp = torch.tensor([lp for r in rollouts for lp in r.logprobs], device=device)
-            ref_logp = None
-            if args.kl_coef > 0:
-                with torch.no_grad(), lora.use_adapter(model, None), M.autocast(device):
-                    ref_logp, _ = M.sequence_logprobs(model, sequences, starts, tok.pad_id)
+            n_tokens = sum(len(r.completion_ids) for r in rollouts)
 
             model.train()
-            # where each sequence's completion tokens start in the flat token tensors
-            offsets = [0, *itertools.accumulate(len(r.completion_ids) for r in rollouts)]
-            micro_batches = lora.micro_batches(sequences, args.grad_accum, args.micro_batch_tokens, device)
+            parts = runs.micro_batches(list(map(len, sequences)), args.grad_accum, args.micro_batch_tokens)
+            olds = [torch.tensor([lp for i in part for lp in rollouts[i].logprobs], device=device) for part in parts]
+            refs = [None] * len(parts)
+            if args.kl_coef > 0:
+                with torch.no_grad(), lora.use_adapter(model, None):
+                    refs = [M.sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part],
+                                                tok.pad_id)[0] for part in parts]
             for _ in range(args.ppo_epochs):
                 loss_sum, metrics = 0.0, {}
-                for first, end_seq in micro_batches:
-                    lo, hi = offsets[first], offsets[end_seq]
-                    with M.autocast(device):
-                        logp, seq_of_token = M.sequence_logprobs(model, sequences[first:end_seq], starts[first:end_seq],
-                                                                 tok.pad_id)
-                    # no PPO ratio needed on the first epoch, we are on policy: exp(logp - old_logp) == 1 up to float noise
-                    loss, part_metrics = policy_loss(logp, old_logp[lo:hi], adv_per_seq[first:end_seq][seq_of_token], args.clip,
-                                                     None if ref_logp is None else ref_logp[lo:hi], args.kl_coef)
-                    weight = (hi - lo) / old_logp.numel()  # micro-batches add up to the token mean of the whole batch
+                for part, old_logp, ref_logp in zip(parts, olds, refs):
+                    logp, seq = M.sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part],
+                                                    tok.pad_id)
+                    loss, part_metrics = policy_loss(logp, old_logp, advantages[part][seq], args.clip, ref_logp,
+                                                     args.kl_coef)
+                    weight = logp.numel() / n_tokens  # micro-batches add up to the token mean of the whole batch
                     (loss * weight).backward()
                     loss_sum += loss.item() * weight
                     for k, v in part_metrics.items():
                         metrics[k] = metrics.get(k, 0.0) + v * weight
                 run.check_finite(step + 1, loss_sum)
-                lr, grad_norm = lora.optimizer_step(optimizer, step, args.steps, args)
+                lr, grad_norm = runs.optimizer_step(optimizer, step, args.steps, args)
 
             groups = torch.tensor(rewards).view(-1, args.group_size)
             record = dict(step=step + 1, loss=loss_sum, reward=sum(rewards) / len(rewards),
                           no_signal_frac=(groups.std(1, unbiased=False) == 0).float().mean().item(),
                           completion_len=statistics.mean(len(r.completion_ids) for r in rollouts),
-                          state_nll=-old_logp.mean().item(), lr=lr, grad_norm=grad_norm, tokens=old_logp.numel(),
-                          seconds=time.time() - t0, **metrics)
+                          # the states RL trains on are the policy's own: their NLL is that of its samples
+                          state_nll=-sum(map(sum, (r.logprobs for r in rollouts))) / n_tokens, lr=lr,
+                          grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0, **metrics)
             run.log(record)
             bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")
             run.end_step(model, optimizer, step + 1, end)
@@ -148,4 +150,4 @@ def main(argv=None, reward_fn=exact_answer_reward):
 
 
 if __name__ == "__main__":
-    M.run_script(main, lora.MEMORY_FIX)
+    runs.run_script(main, runs.MEMORY_FIX)

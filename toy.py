@@ -1,27 +1,24 @@
 """
-A model organism of the study that runs offline on a CPU: a synthetic world written in
-the canonical dataset layout, and a small Qwen3 pretrained on it from scratch, so that
-sft.py, rl.py, opd.py, evaluate.py and drift.py run on it unchanged (--data-dir
-out/toy/data --model out/toy/base-model).
+A model organism of the study that runs offline on a CPU: a synthetic world written in the
+canonical dataset layout, and a small Qwen3 pretrained on it from scratch, so that every
+script runs on it unchanged (--data-dir out/toy/data --model out/toy/base-model).
 
 The world, deterministic from a seed:
   gsm8k/       target task: arithmetic word problems (six templates, 2 to 4 steps) with a
                worked rationale ending in '#### N'; train and test problems are disjoint
-  mmlu/        retention: four-choice questions about a synthetic fact base (capitals of
-               invented countries, diets of invented animals, inventors of invented
-               devices). Every fact is stated in the pretraining prose; the multiple-choice
-               format is practised on other facts only, so test questions are unseen.
-  truthfulqa/  retention: questions whose pretraining corpus also states a popular wrong
-               answer ("people say ..."), so the true choice competes with a learned
-               misconception, as in TruthfulQA.
+  mmlu/        retention: four-choice questions about invented facts (capitals, diets,
+               inventors), each stated in the pretraining prose; the question format is
+               practised on other facts only, so the test questions are unseen
+  truthfulqa/  retention: questions whose corpus also states a popular wrong answer ("people
+               say ..."), so the true choice competes with a learned misconception
 
 Pretraining mixes the retention material with a limited share of target problems. The base
 model must leave room to move both ways: target accuracy between 0.2 and 0.6 and each
-retention score at least twice chance and below 0.95; pretrain() checks this and fails
-loudly otherwise. At this scale MMLU must be scored with --mmlu-scoring text (the letter
-format stays at chance), and prompts are zero-shot (the context is 256 tokens).
+retention score at least twice chance and below 0.95 (check_base, which reproduce.py runs).
+At this scale MMLU is scored with --mmlu-scoring text (the letter format stays at chance),
+and prompts are zero-shot (the context is 256 tokens).
 
-    python toy.py                       # -> out/toy/data and out/toy/base-model (about 10 minutes)
+    python toy.py                       # -> out/toy/data and out/toy/base-model
 """
 import argparse
 import csv
@@ -34,16 +31,14 @@ import torch
 from tqdm import tqdm
 
 import data
-import lora
 import model as M
+import runs
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena", "Milo", "Nora",
          "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tia", "Uma", "Vic", "Wes", "Yara", "Zed"]
 ITEMS = ["apples", "pencils", "stickers", "marbles", "cookies", "books", "shells", "coins", "cards", "stamps"]
 GOODS = ["a lamp", "a hat", "lunch", "a kite", "paint", "a ticket"]
 COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black", "silver", "brown"]
-EVAL_ARGS = ["--gsm8k-shots", "0", "--mmlu-shots", "0", "--mmlu-scoring", "text", "--max-new-tokens", "96"]
-
 
 # -----------------------------------------------------------------------------
 # the world
@@ -109,14 +104,13 @@ def facts(rng, per_subject):
 
 def misconceptions(rng, n):
     """(question, truth sentence, myth sentence, 2 distractor sentences, corpus statements).
-    Creature names are capitalised everywhere so that the statement and the answer choice
-    share their tokens."""
+    Creature names are capitalised everywhere so that statement and answer share tokens."""
     out, seen = [], set()
     while len(out) < n:
         name = word(rng) + "s"
         if name in seen:
             continue
-        seen.add(name)
+        seen.add(name)  # each creature once
         truth, myth, d1, d2 = rng.sample(COLORS, 4)
         sent = lambda col: f"{name} are {col}."
         corpus = [f"People say that {sent(myth)}", f"Many believe that {sent(myth)}", f"It is often said that {sent(myth)}",
@@ -147,10 +141,8 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
                 w = csv.writer(f)
                 w.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
                 for q, a, wrong, _ in splits[split]:
-                    choices = wrong[:]
                     k = rng.randrange(4)
-                    choices.insert(k, a)
-                    w.writerow([q] + choices + [k])
+                    w.writerow([q] + wrong[:k] + [a] + wrong[k:] + [k])
         # every fact is stated in prose; the evaluated ones in two phrasings rather than three, which
         # keeps the base model's recall below the calibration band's ceiling of 0.95
         corpus += [s for _, _, _, prose in splits["dev"] + splits["practice"] for s in prose]
@@ -178,75 +170,82 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
 # -----------------------------------------------------------------------------
 # pretraining
 
+def train_tokenizer(texts, path, vocab_size=512, eos="<|endoftext|>", split_digits=True):
+    """A byte-level BPE tokenizer.json like Qwen's, only smaller, trained on texts, with eos as
+    its first special token (id 0). Digits split one per token by default, as Qwen's do."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    digits = [pre_tokenizers.Digits(individual_digits=True)] if split_digits else []
+    tok.pre_tokenizer = pre_tokenizers.Sequence(digits + [pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos], show_progress=False,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(path)
+    return path
+
+
 def autocast_bf16(choice):
-    """--bf16 as given (1 or 0), else whether this CPU has bf16 instructions: where it has
-    none, bf16 runs slower than fp32 (model.cpu_has_bf16)."""
-    return M.cpu_has_bf16() if choice is None else bool(choice)
+    """--bf16 if given, else whether the CPU has bf16 products (without, bf16 is slower than fp32)."""
+    try:
+        return bool(choice) if choice is not None else bool(torch.cpu._is_avx512_bf16_supported() or
+                                                            torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers of torch.cpu; without them, fp32
+        return False
 
 
 PRETRAIN_SAVE_EVERY = 100  # steps between pretraining checkpoints: under a minute of work lost to a crash
 
 
 def pretrain(out, args):
-    """World + tokenizer + a small Qwen3 trained from scratch; returns the model folder.
-    Every PRETRAIN_SAVE_EVERY steps the model, the optimizer and the batch sampler's state
-    go to base-model/pretrain-checkpoint.pt, from which a second call with the same
-    arguments carries on to the same weights as an uninterrupted pretraining."""
-    with lora.holding(out):  # two pretrainings into one folder would overwrite each other's checkpoints
-        return build_world_and_base(out, args)
-
-
-def build_world_and_base(out, args):
-    """pretrain's work, in a folder it holds."""
+    """World + tokenizer + a small Qwen3 trained from scratch; returns (data, model) folders.
+    Checkpoints every PRETRAIN_SAVE_EVERY steps (base-model/pretrain-checkpoint.pt) let a call
+    with the same arguments carry on to the weights an uninterrupted pretraining gives."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
-    if os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-        return data_dir, model_dir
-    checkpoint_path = os.path.join(model_dir, "pretrain-checkpoint.pt")
+    with runs.holding(out):  # two pretrainings into one folder would overwrite each other's checkpoints
+        if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
+            pretrain_in(data_dir, model_dir, args)
+    return data_dir, model_dir
+
+
+def pretrain_in(data_dir, model_dir, args):
+    checkpoint_path, tok_path = os.path.join(model_dir, "pretrain-checkpoint.pt"), os.path.join(model_dir, "tokenizer.json")
     checkpoint = torch.load(checkpoint_path, weights_only=True) if os.path.isfile(checkpoint_path) else None
-    if checkpoint is not None and checkpoint["args"] != vars(args):
+    if checkpoint is not None and (checkpoint["args"] != vars(args) or not os.path.isfile(tok_path)):
         print(f"note: {checkpoint_path} is from other settings; pretraining starts again")
         checkpoint = None
     corpus, problems = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems)
     rng = random.Random(args.world_seed)
     docs = corpus * args.retention_repeats + problems
     os.makedirs(model_dir, exist_ok=True)
-    tok_path = os.path.join(model_dir, "tokenizer.json")
-    if checkpoint is None or not os.path.isfile(tok_path):  # the checkpoint's embeddings are this tokenizer's
-        checkpoint = None
-        M.train_tokenizer(docs + problems, tok_path, vocab_size=args.vocab)
+    if checkpoint is None:  # the checkpoint's embeddings are of the tokenizer there
+        train_tokenizer(docs + problems, tok_path, vocab_size=args.vocab)
     config = M.Qwen3Config(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=3 * args.hidden,
                            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
                            head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
                            tie_word_embeddings=True, max_position_embeddings=1024, eos_token_id=0)
-    torch.manual_seed(args.world_seed)
-    net = M.init_weights(M.Qwen3(config), std=0.02, seed=args.world_seed)
+    net, g = M.Qwen3(config), torch.Generator().manual_seed(args.world_seed)
+    for name, p in net.named_parameters():  # normal(0, 0.02), norms at one
+        p.data = torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02
     tok = M.Tokenizer(tok_path, 0)
-    stream = []
-    for d in rng.sample(docs, len(docs)):
-        stream += tok.encode(d) + [tok.eos_id]  # documents packed back to back, end-of-text between them
-    stream = torch.tensor(stream)
-    n_blocks = (len(stream) - 1) // args.context
+    stream = torch.tensor([t for d in rng.sample(docs, len(docs)) for t in tok.encode(d) + [tok.eos_id]])  # end to end
     bf16 = autocast_bf16(args.bf16)
-    print(f"pretraining {M.num_parameters(net) / 1e6:.1f}M parameters on {len(stream) / 1e6:.2f}M tokens "
-          f"({len(docs)} documents), {args.pretrain_steps} steps of {args.batch} x {args.context}, "
-          f"{'bf16 autocast' if bf16 else 'fp32'} ({'--bf16' if args.bf16 is not None else 'default for this CPU'})")
+    print(f"pretraining {sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters on {len(stream) / 1e6:.2f}M "
+          f"tokens, {args.pretrain_steps} steps of {args.batch} x {args.context}, {'bf16' if bf16 else 'fp32'}")
     opt = torch.optim.AdamW(net.parameters(), lr=args.pretrain_lr, weight_decay=0.1, betas=(0.9, 0.95))
-    g = torch.Generator().manual_seed(args.world_seed)
-    start = 0
+    g = torch.Generator().manual_seed(args.world_seed)  # the batches'
+    start = checkpoint["step"] if checkpoint is not None else 0
     if checkpoint is not None:
         net.load_state_dict(checkpoint["model"])
         opt.load_state_dict(checkpoint["optimizer"])
         g.set_state(checkpoint["sampler"])
-        start = checkpoint["step"]
         print(f"resuming pretraining at step {start} from {checkpoint_path}")
     net.train()
     bar = tqdm(range(start, args.pretrain_steps), initial=start, total=args.pretrain_steps, desc="pretrain")
     for step in bar:
-        starts = torch.randint(0, n_blocks, (args.batch,), generator=g) * args.context
+        starts = torch.randint(0, (len(stream) - 1) // args.context, (args.batch,), generator=g) * args.context
         x = torch.stack([stream[s:s + args.context + 1] for s in starts])
         for group in opt.param_groups:
-            group["lr"] = lora.lr_at(step, args.pretrain_steps, args.pretrain_lr, 0.05)
-        # bf16 autocast: 1.6x fp32's throughput on a CPU with bf16 instructions, 0.35x on one without
+            group["lr"] = runs.lr_at(step, args.pretrain_steps, args.pretrain_lr, 0.05)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             h = net(x[:, :-1], hidden_only=True)
         loss = -net.token_logprobs(h.reshape(-1, h.shape[-1]).float(), x[:, 1:].reshape(-1)).mean()
@@ -258,44 +257,29 @@ def build_world_and_base(out, args):
         if (step + 1) % PRETRAIN_SAVE_EVERY == 0 and step + 1 < args.pretrain_steps:
             state = dict(model=net.state_dict(), optimizer=opt.state_dict(), sampler=g.get_state(), step=step + 1,
                          args=vars(args))
-            lora.write_atomic(checkpoint_path, lambda path: torch.save(state, path))
+            M.write_atomic(checkpoint_path, lambda path: torch.save(state, path))
     M.save(net.eval(), model_dir, tok_path)
     if os.path.isfile(checkpoint_path):
         os.remove(checkpoint_path)
-    return data_dir, model_dir
-
-
-def check_base(scores, strict=True):
-    """The calibration band: room to move both ways."""
-    bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.6), "mmlu": (scores["mmlu"]["acc"], 0.5, 0.95),
-             "truthfulqa": (scores["truthfulqa"]["mc1"], 0.5, 0.95)}
-    for name, (value, lo, hi) in bands.items():
-        print(f"base {name}: {value:.3f} (band {lo} to {hi})")
-    bad = [f"{n} {v:.3f} outside [{lo}, {hi}]" for n, (v, lo, hi) in bands.items() if not lo <= v < hi]
-    if bad and strict:
-        raise SystemExit(f"the toy base model is out of its calibration band: {'; '.join(bad)}; "
-                         f"change --pretrain-steps or --target-problems and delete the base-model folder")
 
 
 def add_toy_args(p):
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=M.number(int, 0), default=1300,
+    p.add_argument("--target-problems", type=runs.number(int, 0), default=1300,
                    help="target-task problems in the pretraining mix (disjoint from train and test)")
-    p.add_argument("--retention-repeats", type=M.number(int, 1), default=2,
+    p.add_argument("--retention-repeats", type=runs.number(int, 1), default=2,
                    help="copies of the retention corpus in the pretraining mix")
-    p.add_argument("--pretrain-steps", type=M.number(int, 1), default=1100,
-                   help="pretraining steps (about 10 minutes on 2 cores)")
-    p.add_argument("--pretrain-lr", type=M.number(float, 0, above=True), default=2e-3, help="peak pretraining learning rate")
-    p.add_argument("--batch", type=M.number(int, 1), default=16, help="sequences per pretraining step")
-    p.add_argument("--context", type=M.number(int, 2), default=256, help="pretraining sequence length")
-    p.add_argument("--vocab", type=M.number(int, 257, why="byte-level BPE starts from the 256 bytes and the end-of-text "
-                                                            "token"), default=2048, help="BPE vocabulary size")
-    p.add_argument("--hidden", type=M.number(int, 2), default=256, help="hidden size")
-    p.add_argument("--layers", type=M.number(int, 1), default=4, help="transformer blocks")
-    p.add_argument("--heads", type=M.number(int, 2), default=4, help="attention heads (half as many key/value heads)")
+    p.add_argument("--pretrain-steps", type=runs.number(int, 1), default=1100, help="pretraining steps")
+    p.add_argument("--pretrain-lr", type=runs.number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
+    p.add_argument("--batch", type=runs.number(int, 1), default=16, help="sequences per pretraining step")
+    p.add_argument("--context", type=runs.number(int, 2), default=256, help="pretraining sequence length")
+    p.add_argument("--vocab", type=runs.number(int, 257, why="byte-level BPE starts from the 256 bytes and the "
+                                                               "end-of-text token"), default=2048, help="BPE vocabulary")
+    p.add_argument("--hidden", type=runs.number(int, 2), default=256, help="hidden size")
+    p.add_argument("--layers", type=runs.number(int, 1), default=4, help="transformer blocks")
+    p.add_argument("--heads", type=runs.number(int, 2), default=4, help="attention heads (half as many key/value heads)")
     p.add_argument("--bf16", type=int, choices=[0, 1], default=None,
-                   help="bf16 autocast during pretraining (1/0; default: 1 where the CPU has bf16 instructions, "
-                        "AVX512-BF16 or AMX, else 0)")
+                   help="bf16 autocast in pretraining (default: 1 where the CPU has bf16 instructions, else 0)")
 
 
 def main(argv=None):
@@ -310,15 +294,7 @@ def main(argv=None):
     t0 = time.time()
     data_dir, model_dir = pretrain(args.out, args)
     print(f"world in {data_dir}, base model in {model_dir} ({time.time() - t0:.0f}s)")
-    import evaluate
-    net, tok = M.load(model_dir)
-    ev = argparse.ArgumentParser()
-    evaluate.add_eval_args(ev)
-    eargs = ev.parse_args(EVAL_ARGS + ["--gsm8k-limit", "200", "--mmlu-limit", "200", "--truthfulqa-limit", "200"])
-    eargs.data_dir = data_dir
-    scores, _ = evaluate.evaluate(net, tok, eargs)
-    check_base(scores)
 
 
 if __name__ == "__main__":
-    M.run_script(main)
+    runs.run_script(main)

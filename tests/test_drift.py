@@ -162,7 +162,7 @@ def test_generated_embedding_reads_only_the_generated_part(tiny_model):
     hidden features are checked against each state run on its own, without padding, so a
     wrong offset into the left-padded batch fails."""
     import model as M
-    net, tok = M.load(tiny_model, "cpu", "fp32")
+    net, tok = M.load(tiny_model, "cpu", torch.float32)
     prompt_a, prompt_b = tok.encode("Question: 3 apples and 4 pears?"), tok.encode("Q: 12?")
     gen_a, gen_b = tok.encode(" She has 7 fruit."), tok.encode(" 12 it is")
     rollouts = dict(states=[prompt_a + gen_a, prompt_b + gen_b[:2], prompt_b],

@@ -14,7 +14,7 @@ import drift
 import evaluate as E
 import lora
 import model as M
-import sample
+import runs
 from conftest import DEVICES, ROOT
 
 
@@ -54,39 +54,19 @@ def test_one_token_choices_are_scored_from_the_last_state_alone(tiny_model, data
     ours, tok = M.load(tiny_model)
     ref = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     dev, test = data.load_mmlu("dev", data_dir), data.load_mmlu("test", data_dir)
-    # three astronomy questions after the same shot, two anatomy ones, one of virology
-    rows = [test["astronomy"][0], test["anatomy"][3], test["astronomy"][1], test["virology"][1], test["astronomy"][2],
-            test["anatomy"][4]]
+    rows = [test["astronomy"][0], test["anatomy"][3], test["astronomy"][1], test["virology"][1]]
     contexts = [data.mmlu_prompt(r, dev[r["subject"]][:1]) for r in rows]
     # one token each under the test tokenizer, as ' A'..' D' are under Qwen3's (here ' B' is two)
     choices = [[" the", " and", " of", " to"]] * len(rows)
     assert all(len(tok.encode(c + o)) == len(tok.encode(c)) + 1 for c, opts in zip(contexts, choices) for o in opts)
-
-    # every subject's header opens alike: with Qwen3's tokenizer in fewer tokens than
-    # sample.SHARED_PROMPT_MIN, with this one's in more, so the bound is set above it here
-    header = sample.common_length(tok.encode(contexts[0]), tok.encode(contexts[1]))
-    assert sample.common_length(tok.encode(contexts[0]), tok.encode(contexts[2])) > header + 1
-    monkeypatch.setattr(sample, "SHARED_PROMPT_MIN", header + 1)
     caches, plain_cache = [], ours.new_cache
-    monkeypatch.setattr(ours, "new_cache",
-                        lambda batch, *args, **kw: caches.append((batch, kw)) or plain_cache(batch, *args, **kw))
-    got = E.score_choices(ours, tok, contexts, choices, batch_size=6)
-    # a cache for the subjects' three trunks (the first pass), none for the six rows: the
-    # questions read their trunk's keys and values a layer at a time
-    assert caches == [(3, dict(rows=None))]
+    monkeypatch.setattr(ours, "new_cache", lambda *args: caches.append(args) or plain_cache(*args))
+    got = E.score_choices(ours, tok, contexts, choices, batch_size=3)
+    assert caches == []  # no cache, no copies of it: the context's last state scores every choice
     for ctx, opts, scores in zip(contexts, choices, got):
         assert max(abs(s - brute_force(ref, tok, ctx, o)) for s, o in zip(scores, opts)) < 1e-4
-    caches.clear()
-    E.score_choices(ours, tok, contexts[:2], choices[:2], batch_size=5)  # no opening shared: no cache at all
-    assert caches == []
-
-
-def test_contexts_that_open_alike_are_scored_side_by_side_longest_first():
-    n = sample.SHARED_PROMPT_MIN
-    shots, other = list(range(100, 100 + n)), list(range(300, 300 + n))
-    contexts = [[5, 6], shots + [9], other + [1, 2, 3], shots + [1, 2, 3, 4], [7, 7, 7], other + [0], shots[:n - 1] + [8]]
-    # two groups (the shots' and the other opening's), each longest first; then the rest
-    assert E.scoring_order(contexts) == [3, 1, 2, 5, 6, 4, 0]
+    E.score_choices(ours, tok, contexts[:2], [[" the", " and so"]] * 2, batch_size=2)
+    assert len(caches) == 1 and caches[0][0] == 2  # longer choices: one cache of the two contexts, copied to 4 rows
 
 
 def test_mc2_score():
@@ -168,11 +148,12 @@ def test_table_gives_small_drift_in_significant_digits():
     """A small model's MMD^2 can be 1e-5: fixed decimals would print every run as 0.00000."""
     run = lambda mmd2: {"eval": {"gsm8k": {"flexible": 0.5}}, "drift": {"mmd2": mmd2}}
     table = E.results_markdown({"stress": run(1.5e-5), "stress-seed1": run(2.5e-5)})
-    assert "| stress | 0.500±0.000 / 0.420 |" in table and "| 2e-05±7.071e-06 / 0.01093 |" in table
+    # MMD^2 is ours alone; MMD, sqrt(max(MMD^2, 0)) run by run, stands beside Table 2's column of that name
+    assert "| stress | 0.500±0.000 / 0.420 |" in table and "| 2e-05±7.071e-06 | 0.004436±0.0007969 / 0.01093 |" in table
 
 
 def test_drift_against_forgetting_correlations():
-    rows = [dict(run=n, mmd=m, forgetting=f) for n, m, f in (("a", 1.0, 0.1), ("b", 2.0, 0.3), ("c", 3.0, 0.2),
+    rows = [dict(run=n, mmd2=m, forgetting=f) for n, m, f in (("a", 1.0, 0.1), ("b", 2.0, 0.3), ("c", 3.0, 0.2),
                                                               ("d", 4.0, 0.4), ("base", None, None))]
     got = E.drift_vs_forgetting(rows)
     mmd, forgetting = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0.1, 0.3, 0.2, 0.4])
@@ -182,7 +163,7 @@ def test_drift_against_forgetting_correlations():
     assert E.drift_vs_forgetting(rows[:2]) is None  # too few
     assert E.drift_vs_forgetting([dict(r, forgetting=0.0) for r in rows]) is None  # no spread
     # the paper's Table 2: rank differences 0, 2, 2, 2, 2 over five runs give 1 - 6 * 16 / (5 * 24) = 0.2
-    paper = E.drift_vs_forgetting([dict(run=n, **v) for n, v in E.PAPER.items()])
+    paper = E.drift_vs_forgetting([dict(run=n, **v) for n, v in E.PAPER.items()], "mmd")
     assert paper["n"] == 5 and abs(paper["spearman"] - 0.2) < 1e-12
     # its p-value by brute force: the share of the 120 orders of five ranks whose Spearman's is at least 0.2 from zero
     orders = np.array(list(itertools.permutations(range(5))))
@@ -232,12 +213,12 @@ def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path,
     def trained_on(model):
         (run / "run.json").write_text(json.dumps({"model": model}))
         return str(run)
-    lora.check_same_base(trained_on(tiny_models["tied"] + "/."), tiny_models["tied"])  # one folder, two spellings
-    lora.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-0.6B-Base")
+    runs.check_same_base(trained_on(tiny_models["tied"] + "/."), tiny_models["tied"])  # one folder, two spellings
+    runs.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-0.6B-Base")
     with pytest.raises(M.InputError, match="trained on base Qwen/Qwen3-0.6B-Base, but --model is Qwen/Qwen3-1.7B-Base"):
-        lora.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-1.7B-Base")
+        runs.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-1.7B-Base")
     capsys.readouterr()
-    lora.check_same_base(trained_on(str(tmp_path / "moved" / "base-model")), tiny_models["tied"])  # a study moved since
+    runs.check_same_base(trained_on(str(tmp_path / "moved" / "base-model")), tiny_models["tied"])  # a study moved since
     assert "cannot be compared with --model" in capsys.readouterr().out
 
 
@@ -246,13 +227,15 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     out = tmp_path / "out"
     cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", tiny_model, "--data-dir", data_dir,
            "--out", str(out), "--gsm8k-limit", "8", "--mmlu-limit", "8", "--truthfulqa-limit", "8",
-           "--max-new-tokens", "16", "--gsm8k-shots", "1", "--mmlu-shots", "1", "--batch-size", "4",
+           "--max-new-tokens", "16", "--gsm8k-fewshot", "1", "--mmlu-shots", "1", "--batch-size", "4",
            "--device", device]
     subprocess.run(cmd + ["base"], check=True, capture_output=True, text=True)
     base = json.loads((out / "eval.json").read_text())
-    assert base["gsm8k"]["n"] == 8 and base["mmlu"]["n"] == 8 and base["truthfulqa"]["n"] == 8
+    assert base["gsm8k"]["n"] == base["gsm8k_fewshot"]["n"] == base["mmlu"]["n"] == base["truthfulqa"]["n"] == 8
+    assert (base["gsm8k"]["shots"], base["gsm8k_fewshot"]["shots"]) == (0, 1)
     samples = [json.loads(l) for l in (out / "eval_samples.jsonl").read_text().splitlines()]
-    assert sorted({s["task"] for s in samples}) == ["gsm8k", "mmlu", "truthfulqa"] and len(samples) == 24
+    assert sorted({s["task"] for s in samples}) == ["gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa"]
+    assert len(samples) == 32
     mmlu_right = [s["correct"] for s in samples if s["task"] == "mmlu"]
     assert sum(mmlu_right) / 8 == base["mmlu"]["acc"]
     assert abs(base["mmlu"]["acc_stderr"] - np.std(mmlu_right, ddof=1) / np.sqrt(8)) < 1e-12
@@ -270,11 +253,13 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
             assert s["mc2"] == E.mc2_score(s["mc2_loglikelihoods"], mc2_labels)
         else:
             assert s["flexible"] == data.extract_answer(s["completion"], "flexible")
-            assert s["correct"] == data.same_number(s["flexible"], s["gold"])
     train = data.load_gsm8k("train", data_dir)
     gsm8k_rows = data.load_gsm8k("test", data_dir)
-    for s in (s for s in samples if s["task"] == "gsm8k"):  # --gsm8k-shots 1: the first train example
-        assert s["prompt"] == data.gsm8k_prompt(gsm8k_rows[s["index"]]["question"], train[:1])
+    for s in samples:  # 0-shot: the format the methods train on; --gsm8k-fewshot 1: the first train example first
+        if s["task"].startswith("gsm8k"):
+            shots = train[:1] if s["task"] == "gsm8k_fewshot" else []
+            assert s["prompt"] == data.gsm8k_prompt(gsm8k_rows[s["index"]]["question"], shots)
+            assert s["correct"] == data.same_number(s["flexible"], s["gold"])
     tqa = [s for s in samples if s["task"] == "truthfulqa"]
     assert base["truthfulqa"]["mc1"] == sum(s["correct"] for s in tqa) / 8
     assert abs(base["truthfulqa"]["mc2"] - sum(s["mc2"] for s in tqa) / 8) < 1e-12
@@ -326,7 +311,7 @@ def test_an_unknown_task_is_named_before_anything_runs(tmp_path, capsys, tasks, 
 
 
 def test_a_table_without_evaluations_or_a_call_without_runs_says_what_to_do(tmp_path, capsys):
-    with pytest.raises(M.InputError, match=f"no eval.json under {tmp_path}; run `python evaluate.py base ...` first"):
+    with pytest.raises(M.InputError, match=f"no eval.json in {tmp_path} or its run folders; run `python evaluate.py base"):
         E.main(["--table", str(tmp_path)])
     with pytest.raises(SystemExit):
         E.main(["--model", str(tmp_path / "no-model")])
@@ -349,9 +334,9 @@ def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     table = E.results_markdown({"step-000010": run(3e-5, 0.1), "step-000020": run(2e-5, 0.3),
                                 "step-000030": run(1e-5, 0.2)})
     assert "paper" not in table and " / " not in table
-    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.3000 | - | - | - | - |" in table
+    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.004472 | 0.3000 | - | - | - | - |" in table
     pearson = np.corrcoef([3, 2, 1], [0.1, 0.3, 0.2])[0, 1]
-    assert f"MMD against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f} (" in table
+    assert f"MMD^2 against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f} (" in table
     # one paper condition among them brings the paper's column back for every row
     assert "| step-000020 | 0.500 / - |" in E.results_markdown({"stress": run(1e-5, 0.4), "step-000020": run(2e-5, 0.3)})
 
@@ -367,7 +352,7 @@ def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, d
     sft.main([*common, "--out", str(out / "stress"), "--train-limit", "8", "--batch-size", "4", "--max-steps", "2",
               "--snapshot-every", "1", "--lr", "1e-2"])
     flags = [*common, "--out", str(out), "--gsm8k-limit", "4", "--mmlu-limit", "4", "--truthfulqa-limit", "4",
-             "--max-new-tokens", "8", "--gsm8k-shots", "1", "--mmlu-shots", "1", "--batch-size", "4"]
+             "--max-new-tokens", "8", "--gsm8k-fewshot", "1", "--mmlu-shots", "1", "--batch-size", "4"]
     E.main(["base", *flags])
     (out / "stress" / "snapshots" / "results.md").write_text("an earlier table, not a run\n")
     steps = sorted(glob.glob(str(out / "stress" / "snapshots" / "step-*")))
@@ -378,8 +363,9 @@ def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, d
     rows = [line for line in table.splitlines() if line.startswith("| step-")]
     assert [row.split(" | ")[0] for row in rows] == ["| step-000001", "| step-000002"]
     for row in rows:  # drift, forgetting against the base, the log's state_nll and the update norm are all there
-        run, gsm8k, truthfulqa, mmlu, mmd, forgetting, stderr, retention, state_nll, update_norm = row.strip("| ").split(" | ")
-        assert "-" not in (mmd, forgetting, stderr, state_nll, update_norm), row  # a random base may score 0: no retention
+        run, gsm8k, fewshot, tqa, mmlu, mmd2, mmd, forgetting, stderr, retention, state_nll, update_norm = \
+            row.strip("| ").split(" | ")
+        assert "-" not in (gsm8k, fewshot, mmd2, mmd, forgetting, stderr, state_nll, update_norm), row  # a random base may score 0: no retention
 
 
 def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured_again(tiny_model, data_dir, tmp_path):
@@ -432,7 +418,7 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
 
 def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     """GSM8K at other shots, or drift over longer rollouts, would differ by the flags alone."""
-    settings = dict(gsm8k_limit=500, gsm8k_shots=5, max_new_tokens=256, mmlu_limit=0, mmlu_shots=5,
+    settings = dict(gsm8k_limit=500, gsm8k_fewshot=0, max_new_tokens=256, mmlu_limit=0, mmlu_shots=5,
                     mmlu_scoring="letter", seed=1234, truthfulqa_limit=0, batch_size=16)
     scores = {"gsm8k": {"flexible": 0.5}, "mmlu": {"acc": 0.4}, "truthfulqa": {"mc1": 0.3}}
     drift_settings = dict(model="m", prompts=200, max_new_tokens=256, temperature=1.0, stride=16, seed=0)
@@ -448,7 +434,7 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     write("base", settings)
     write("mild", dict(settings, batch_size=4), drift_result=lexical)  # a flag that changes no question
     write("stress", dict(settings, seed=7), drift_result=lexical)  # every MMLU question whatever the seed
-    write("rl", dict(settings, gsm8k_shots=0), tasks=("mmlu", "truthfulqa"))  # it has no GSM8K score to compare
+    write("rl", dict(settings, gsm8k_limit=100), tasks=("mmlu", "truthfulqa"))  # it has no GSM8K score to compare
     assert set(E.collect_runs(str(tmp_path))) == {"base", "mild", "stress", "rl"}
     # what reproduce.py asks before it evaluates a run again: every task it names, on its questions
     preset = argparse.Namespace(tasks="gsm8k,mmlu,truthfulqa", **settings)
@@ -464,8 +450,8 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     assert not E.current(str(tmp_path), argparse.Namespace(**vars(preset), model=str(second)))
     write("base", settings)
 
-    write("rl", dict(settings, gsm8k_shots=0))
-    with pytest.raises(M.InputError, match=r"^rl's gsm8k was measured with --gsm8k-shots 0, base's with 5; evaluate both "
+    write("rl", dict(settings, gsm8k_limit=100))
+    with pytest.raises(M.InputError, match=r"^rl's gsm8k was measured with --gsm8k-limit 100, base's with 500; evaluate both "
                                            r"with the same flags to put them in one table$"):
         E.collect_runs(str(tmp_path))
     write("rl", dict(settings, mmlu_limit=100), tasks=("mmlu",))
@@ -504,5 +490,23 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
         E.main(["base", *flags[:4], "--out", str(run), *flags[6:]])
     assert (run / "eval.json").read_text() == before
     train_size = len(data.load_gsm8k("train", data_dir))
-    with pytest.raises(M.InputError, match=f"--gsm8k-shots {train_size + 1}: the train split holds {train_size} examples"):
-        E.main(["base", *flags[:-6], "--tasks", "gsm8k", "--gsm8k-shots", str(train_size + 1)])
+    with pytest.raises(M.InputError, match=f"--gsm8k-fewshot {train_size + 1}: the train split holds {train_size} "):
+        E.main(["base", *flags[:-6], "--tasks", "gsm8k", "--gsm8k-fewshot", str(train_size + 1)])
+
+
+def test_a_table_of_a_folder_that_holds_studies_names_them(tmp_path, capsys):
+    def study(folder, runs):
+        folder.mkdir(parents=True)
+        (folder / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.5}}))
+        for run in runs:
+            (folder / run).mkdir()
+            (folder / run / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.6}}))
+    study(tmp_path / "out" / "toy", ["mild", "stress"])
+    with pytest.raises(M.InputError, match=f"the studies under it: {tmp_path / 'out' / 'toy'} \\(pass one of them\\)"):
+        E.write_table(str(tmp_path / "out"))
+    # a study of its own beside them: its rows, and a note naming the one under it
+    (tmp_path / "out" / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.4}}))
+    table = E.write_table(str(tmp_path / "out"))
+    assert "| base |" in table and "| toy |" not in table and "| mild |" not in table
+    assert f"note: {tmp_path / 'out' / 'toy'} holds a study of its own" in capsys.readouterr().out
+    assert "| mild |" in E.write_table(str(tmp_path / "out" / "toy"))

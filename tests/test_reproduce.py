@@ -57,7 +57,7 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == [
         "[running] evaluate opd-logits", "[running] evaluate rl", "[running] drift"]
     for run in ("rl", "stress", "opd-logits", "mild"):
-        assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt"
+        assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt, unpaired beside"
     assert json.loads((out / "rl" / "eval.json").read_text())["settings"]["gsm8k_limit"] == 4
     assert json.loads((out / "mild" / "drift.json").read_text())["settings"]["stride"] == 8
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()

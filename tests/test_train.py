@@ -11,11 +11,16 @@ import lora
 import model as M
 import opd
 import rl
+import runs
 import sft
 from conftest import DEVICES, ROOT, hold_in_another_process, randomize_adapter, save_hf_model
+from sample import find_stop, left_pad, tokens_before_stop
 
 LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
-MAINS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
+# a random model's completions are never right: rl.py's runs in these tests reward each prompt's
+# first sample, so that every group has an advantage to learn from
+MAINS = {"sft": sft.main, "rl": lambda argv: rl.main(argv, reward_fn=lambda rollout, row: float(rollout.sample_index == 0)),
+         "opd": opd.main}
 
 
 def common(tiny_model, data_dir, out, *extra):
@@ -49,7 +54,7 @@ def write_fixed_answer_data(source, folder, answer, n=24):
     ("opd.py", ["--teacher", "BASE", "--signal", "logits", "--prompts-per-step", 2, "--max-new-tokens", 8,
                 "--max-steps", 2]),
 ])
-@pytest.mark.parametrize("device", DEVICES)  # on CUDA: bf16 weights, autocast, the captured decode step
+@pytest.mark.parametrize("device", DEVICES)  # on CUDA: bf16 weights, the captured decode step
 def test_scripts_run_from_the_command_line(tiny_model, data_dir, tmp_path, script, extra, device):
     from peft import PeftModel
     from transformers import Qwen3ForCausalLM
@@ -100,7 +105,7 @@ def rewarded_token_run(tiny_model, data_dir, out, *extra):
 
     def first_token_probs(model):
         with torch.no_grad():
-            ids, mask = M.left_pad([tok.encode(p) for p in prompts], tok.pad_id)
+            ids, mask = left_pad([tok.encode(p) for p in prompts], tok.pad_id)
             return model(ids, attention_mask=mask)[:, -1].softmax(-1).mean(0)
 
     base_probs = first_token_probs(m)
@@ -207,8 +212,10 @@ def test_opd_student_learns_the_teachers_fixed_answer(tiny_model, data_dir, tmp_
                     "--continuation-tokens", 20, "--lr", 1e-2, "--rank", 8, "--alpha", 16, "--steps", 80))
     s, _ = M.load(tiny_model)
     lora.load_adapter(s, str(student))
+    # the teacher's answer first (what follows it depends on the teacher's continuations of the
+    # student's early, random states, where this teacher repeats its last line)
     texts = [r.text for r in generate(s, tok, prompts, max_new_tokens=16, temperature=0)]
-    assert all(t == " " + answer for t in texts), texts
+    assert all(t.startswith(" " + answer) for t in texts), texts
 
 
 def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, data_dir, tmp_path):
@@ -222,10 +229,10 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     opd.main([*distil, "--max-steps", "1"])
     recorded = json.loads((student / "run.json").read_text())["teacher_sha256"]
     assert recorded == hashlib.sha256((teacher / "adapter_model.safetensors").read_bytes()).hexdigest()
-    assert not lora.teacher_changed(str(student))
+    assert not runs.teacher_changed(str(student))
     opd.main([*distil, "--max-steps", "2", "--resume"])  # the same teacher: resumes
     sft.main([*train_teacher, "--max-steps", "2", "--resume"])
-    assert lora.teacher_changed(str(student))
+    assert runs.teacher_changed(str(student))
     with pytest.raises(M.InputError, match=f"{student} was distilled from another adapter than {teacher} holds now"):
         opd.main([*distil, "--resume"])
     assert len(read_log(student)) == 2
@@ -234,7 +241,7 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     opd.main(common(tiny_model, data_dir, base_taught, "--teacher", tiny_model, "--prompts-per-step", 1,
                     "--max-new-tokens", 4, "--continuation-tokens", 2, "--max-steps", 1))
     assert json.loads((base_taught / "run.json").read_text())["teacher_sha256"] is None
-    assert not lora.teacher_changed(str(base_taught))
+    assert not runs.teacher_changed(str(base_taught))
 
 
 def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measured(tiny_model, data_dir, tmp_path):
@@ -258,7 +265,7 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
     finally:
         holder.kill()
         holder.wait()
-    assert lora.held_elsewhere(str(teacher)) is None
+    assert runs.held_elsewhere(str(teacher)) is None
     # an evaluation holds what it writes: the base's --out and each run, for as long as it runs
     holder = hold_in_another_process(str(tmp_path / "out"))
     try:
@@ -344,63 +351,90 @@ def test_opd_on_gold_states_logs_the_reward_of_gold_answers(tiny_model, data_dir
     assert [r["reward"] for r in read_log(out)] == [1.0, 1.0]
 
 
+def split_at_starts(calls):
+    """{(state, target)} of every training pass recorded as (sequences, starts)."""
+    return {(tuple(s[:st]), tuple(s[st:])) for seqs, starts in calls for s, st in zip(seqs, starts)}
+
+
+def teacher_signal(tok, prefixes, continuations):
+    """{(prefix, what the teacher continued it with, up to a stop string)} that OPD trains on."""
+    import data
+    pairs = {(tuple(p), tuple(tokens_before_stop(tok, c.completion_ids, data.GSM8K_STOP)))
+             for p, c in zip(prefixes, continuations)}
+    return {pair for pair in pairs if pair[1]}
+
+
 def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_path, monkeypatch):
-    seen = {"trained": [], "sampled": []}
+    trained, sampled = [], []  # (sequences, starts) of every training pass; every generate call's rollouts
     real_logprobs, real_generate = M.sequence_logprobs, rl.generate
 
     def record_logprobs(model, sequences, starts, pad_id=0):
         if torch.is_grad_enabled():
-            seen["trained"].append([s[:st] for s, st in zip(sequences, starts)])
+            trained.append((sequences, starts))
         return real_logprobs(model, sequences, starts, pad_id)
 
-    def record_generate(*a, **k):
-        out = real_generate(*a, **k)
-        seen["sampled"].append(out)
+    def record_generate(model, tok, prompts, *a, **k):
+        out = real_generate(model, tok, prompts, *a, **k)
+        sampled.append((lora.active_adapter(model), prompts, k.get("stop"), out))
         return out
 
     monkeypatch.setattr(M, "sequence_logprobs", record_logprobs)
-    # SFT: every training prefix ends where its prompt ends and the rest is dataset text
+    # SFT: every training state's prompt is a dataset prompt and the rest is dataset text
     sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 4, "--max-steps", 1))
     _, tok = M.load(tiny_model)
-    dataset_prompts = {data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("train", data_dir)[:8]}
-    assert len(seen["trained"][0]) == 4 and all(tok.decode(p) in dataset_prompts for p in seen["trained"][0])
+    rows = data.load_gsm8k("train", data_dir)[:8]
+    gold = {tuple(p + a) for p, a in (data.gsm8k_gold_ids(tok, r) for r in rows)}
+    (seqs, starts), = trained
+    assert len(seqs) == 4 and all(tuple(s) in gold for s in seqs)
+    assert all(tok.decode(s[:st]) in {data.gsm8k_prompt(r["question"]) for r in rows} for s, st in zip(seqs, starts))
 
     # RL: the sequences trained on are exactly prompt + completion tokens the sampler returned this step
     monkeypatch.setattr(rl, "generate", record_generate)
-    seen["trained"].clear()
-    full = []
-    monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
-        full.append(seqs) if torch.is_grad_enabled() else None) or real_logprobs(m, seqs, st, pad_id))
+    trained.clear()
     rl.main(common(tiny_model, data_dir, tmp_path / "rl", "--prompts-per-step", 2, "--group-size", 3,
                    "--max-new-tokens", 6, "--max-steps", 2))
-    assert len(full) == 2 and len(seen["sampled"]) == 2
-    for seqs, rollouts in zip(full, seen["sampled"]):
-        assert seqs == [r.prompt_ids + r.completion_ids for r in rollouts]
+    assert len(trained) == 2 and len(sampled) == 2
+    for (seqs, starts), (adapter, _, _, rollouts) in zip(trained, sampled):
+        assert adapter == "default"
+        assert split_at_starts([(seqs, starts)]) == {(tuple(r.prompt_ids), tuple(r.completion_ids)) for r in rollouts}
 
-    # OPD: the student's rollouts (its states) come from the sampler with the student adapter active,
-    # and every trained sequence starts with one of those rollouts' prefixes
-    full.clear()
-    active = []
-
-    def record_opd_generate(model, *a, **k):
-        out = real_generate(model, *a, **k)
-        active.append(next(l.active for l in lora.lora_layers(model).values()))
-        seen["sampled"].append(out)
-        return out
-
-    seen["sampled"].clear()
-    monkeypatch.setattr(opd, "generate", record_opd_generate)
+    # OPD: the student samples the states (its adapter active) and the teacher continues them, stopping
+    # where a rollout stops; the student trains on exactly the teacher's tokens after each prefix
+    trained.clear(), sampled.clear()
+    monkeypatch.setattr(opd, "generate", record_generate)
     opd.main(common(tiny_model, data_dir, tmp_path / "opd", "--teacher", tmp_path / "sft", "--prompts-per-step", 2,
                     "--max-new-tokens", 6, "--max-steps", 1))
-    student_rollouts = seen["sampled"][0]
-    assert active == ["default", "teacher"]  # student samples the states, teacher continues them
-    states = [r.prompt_ids + r.completion_ids for r in student_rollouts]
-    (trained,) = full
-    teacher_outs = seen["sampled"][1]
-    for seq, cont in zip(trained, teacher_outs):
-        prefix = seq[:len(seq) - len(cont.completion_ids)]
-        assert any(s[:len(prefix)] == prefix for s in states) and seq[len(prefix):] == cont.completion_ids
+    (student, _, _, rollouts), (teacher, prefixes, stop, continuations) = sampled
+    assert (student, teacher, stop) == ("default", "teacher", data.GSM8K_STOP)
+    states = [r.prompt_ids + r.completion_ids for r in rollouts]
+    assert all(any(s[:len(p)] == p for s in states) for p in prefixes)
+    assert split_at_starts(trained) == teacher_signal(tok, prefixes, continuations)
 
+
+def test_opd_targets_end_before_a_stop_string(tiny_model, data_dir, tmp_path, monkeypatch):
+    # a teacher that goes on into a new question: what it writes after its answer is not taught
+    real_generate = opd.generate
+    _, tok = M.load(tiny_model)
+    answer, beyond = tok.encode(" 3 + 4 = 7.\n#### 7"), tok.encode("\n\nQuestion: Tom has 5 pens.")
+    assert find_stop(tok.decode(answer + beyond), data.GSM8K_STOP) >= 0
+
+    def teacher_runs_on(model, tok, prompts, *a, **k):
+        out = real_generate(model, tok, prompts, *a, **k)
+        if lora.active_adapter(model) is None:  # the teacher, the base model here
+            assert k["stop"] == data.GSM8K_STOP
+            for r in out:
+                r.completion_ids = answer + beyond
+        return out
+    monkeypatch.setattr(opd, "generate", teacher_runs_on)
+    trained = []
+    real_logprobs = M.sequence_logprobs
+    monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
+        trained.extend(s[t:] for s, t in zip(seqs, st)) if torch.is_grad_enabled() else None)
+        or real_logprobs(m, seqs, st, pad_id))
+    opd.main(common(tiny_model, data_dir, tmp_path / "opd", "--teacher", tiny_model, "--prompts-per-step", 2,
+                    "--max-new-tokens", 6, "--max-steps", 1))
+    assert trained and all(t == tokens_before_stop(tok, answer + beyond, data.GSM8K_STOP) for t in trained)
+    assert all(find_stop(tok.decode(t), data.GSM8K_STOP) == -1 and len(t) >= len(answer) for t in trained)
 
 
 def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, data_dir, tmp_path, monkeypatch):
@@ -411,14 +445,15 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
 
     def record_generate(model, tok, prompts, *a, **k):
         out = real_generate(model, tok, prompts, *a, **k)
-        calls.append((next(l.active for l in lora.lora_layers(model).values()), prompts, out))
+        calls.append((lora.active_adapter(model), prompts, out))
         return out
 
     monkeypatch.setattr(opd, "generate", record_generate)
     trained = []
     real_logprobs = M.sequence_logprobs
     monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
-        trained.append(seqs) if torch.is_grad_enabled() else None) or real_logprobs(m, seqs, st, pad_id))
+        trained.append((seqs, st)) if torch.is_grad_enabled() else None) or real_logprobs(m, seqs, st, pad_id))
+    _, tok = M.load(tiny_model)
 
     def run(source, *extra):
         calls.clear(), trained.clear()
@@ -429,12 +464,9 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
         return read_log(out)[0]
 
     def check_trained_on(states):
-        (seqs,) = trained
-        conts = calls[-1][2]  # the teacher's continuations, the signal
-        for seq, cont in zip(seqs, conts):
-            prefix = seq[:len(seq) - len(cont.completion_ids)]
-            assert any(s[:len(prefix)] == prefix for s in states)
-            assert seq[len(prefix):] == cont.completion_ids
+        _, prefixes, conts = calls[-1]  # the teacher's continuations, the signal
+        assert all(any(s[:len(p)] == p for s in states) for p in prefixes)
+        assert split_at_starts(trained) == teacher_signal(tok, prefixes, conts)
 
     # the student's rollouts: sampled with the student adapter; the logged state NLL is the
     # sampler's own log-probs of those tokens
@@ -456,12 +488,10 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
     # states are prefixes of the batch's gold trajectories (cut at --max-new-tokens)
     log = run("data")
     assert [c[0] for c in calls] == ["teacher"]
-    _, tok = M.load(tiny_model)
     rows = data.load_gsm8k("train", data_dir)
     batch = [rows[i] for i in data.batch_indices(len(rows), 0, 2, 0)]
     gold = [p + a[:6] for p, a in (data.gsm8k_gold_ids(tok, r) for r in batch)]
     check_trained_on(gold)
-    assert all(any(g[:len(p)] == p for g in gold) for p in calls[0][1])
     assert log["completion_len"] == 6  # the reward is that of the cut solutions, not of the whole ones
     cut_texts = [tok.decode(data.gsm8k_gold_ids(tok, r)[1][:6]) for r in batch]
     assert log["reward"] == sum(data.is_correct(t, r["gold"]) for t, r in zip(cut_texts, batch)) / 2 < 1
@@ -564,7 +594,7 @@ def test_a_stop_signal_ends_the_run_after_its_step_with_a_checkpoint(tiny_model,
     with pytest.raises(SystemExit, match=f"stopped by {signal_name} after step 2 of 4, its checkpoint written to"):
         main(args)
     assert torch.load(tmp_path / "cut" / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 2
-    assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2] and not lora.run_finished(tmp_path / "cut")
+    assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2] and not runs.run_finished(tmp_path / "cut")
     assert {s: signal.getsignal(s) for s in handlers} == handlers  # Python's own handlers are back
     # a second signal stops at once, back at the last checkpoint
     signal_during({2}, times=2)
@@ -578,7 +608,7 @@ def test_a_stop_signal_ends_the_run_after_its_step_with_a_checkpoint(tiny_model,
         main([*args, "--resume"])
     a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6  # the stop lost nothing
-    assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4] and lora.run_finished(tmp_path / "cut")
+    assert [r["step"] for r in read_log(tmp_path / "cut")] == [1, 2, 3, 4] and runs.run_finished(tmp_path / "cut")
     assert {s: signal.getsignal(s) for s in handlers} == handlers
 
 
@@ -594,7 +624,7 @@ def test_snapshots_hold_each_steps_adapter_as_a_run_folder(tiny_model, data_dir,
     assert all(torch.equal(first[k], after_one[k]) and torch.equal(last[k], final[k]) for k in final)
     assert any(not torch.equal(first[k], last[k]) for k in final)  # they are different steps' adapters
     # each a finished run folder of its own, with the log up to its step, for evaluate.py and drift.py
-    lora.check_run_folder(str(snapshots / "step-000002"), tiny_model)
+    runs.check_run_folder(str(snapshots / "step-000002"), tiny_model)
     assert json.loads((snapshots / "step-000002" / "run.json").read_text())["finished_steps"] == 2
     assert [r["step"] for r in read_log(snapshots / "step-000002")] == [1, 2]
     # a resume forgets snapshots past its checkpoint and half-written ones, as it forgets their log lines
@@ -629,7 +659,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model, data_dir,
     assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
     capsys.readouterr()
     for run, unfinished in (("nan", True), ("clean", False)):  # a stopped run's adapter is used with a note
-        lora.load_adapter(M.load(tiny_model)[0], str(tmp_path / run))
+        runs.check_run_folder(str(tmp_path / run), tiny_model)
         assert ("has not finished" in capsys.readouterr().out) == unfinished
 
 
@@ -669,11 +699,11 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkey
         monkeypatch.setattr(sys, "argv", ["opd.py", "--teacher", str(teacher),
                                           *common(model, data_dir, tmp_path / "o", "--max-steps", 1)])
         with pytest.raises(SystemExit) as e:
-            M.run_script(opd.main)
+            runs.run_script(opd.main)
         return str(e.value.code).strip().splitlines()
 
     lines = run("does/not/exist", tiny_models["tied"])
-    assert len(lines) == 1 and "does/not/exist does not exist" in lines[0]
+    assert len(lines) == 1 and "--teacher 'does/not/exist' is neither a local folder nor a hub id" in lines[0], lines
     import huggingface_hub
 
     def offline(*args, **kwargs):
@@ -693,18 +723,19 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkey
     assert len(lines) == 1 and f"pass --model {tiny_models['untied']}" in lines[0]
     # a model folder as the teacher, of another tokenizer: the same shapes, so only the vocabulary tells
     import shutil
+    import toy
     retokenized = tmp_path / "retokenized"
     shutil.copytree(tiny_models["tied"], retokenized)
-    M.train_tokenizer(["Question: how many apples?\nAnswer: 12 apples."] * 20, str(retokenized / "tokenizer.json"),
-                      vocab_size=300)
+    toy.train_tokenizer(["Question: how many apples?\nAnswer: 12 apples."] * 20, str(retokenized / "tokenizer.json"),
+                        vocab_size=300)
     lines = run(retokenized, tiny_models["tied"])
-    assert len(lines) == 1 and "has another tokenizer or output vocabulary than --model" in lines[0], lines
+    assert len(lines) == 1 and "has another tokenizer or vocabulary than --model" in lines[0], lines
     wider = tmp_path / "wider"  # the same tokenizer, but an output layer of more rows: logits would not line up
     shutil.copytree(tiny_models["tied"], wider)
     config = json.loads((wider / "config.json").read_text())
     (wider / "config.json").write_text(json.dumps(dict(config, vocab_size=config["vocab_size"] + 8)))
     lines = run(wider, tiny_models["tied"])
-    assert len(lines) == 1 and "has another tokenizer or output vocabulary than --model" in lines[0], lines
+    assert len(lines) == 1 and "has another tokenizer or vocabulary than --model" in lines[0], lines
     shutil.copytree(tiny_models["tied"], tmp_path / "copy")  # loaded on its own, and its tokenizer is the same
     opd.main(common(tiny_models["tied"], data_dir, tmp_path / "same", "--teacher", tmp_path / "copy", "--max-steps", 1,
                     "--prompts-per-step", 1, "--max-new-tokens", 4))
@@ -822,8 +853,9 @@ def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_models, data_dir
 def test_recompute_trains_the_same_adapter(tiny_model, data_dir, tmp_path, script, monkeypatch):
     main = MAINS[script]
     recomputed_layers = []
-    context = M.recompute_elementwise
-    monkeypatch.setattr(M, "recompute_elementwise", lambda: recomputed_layers.append(1) or context())
+    plain_checkpoint = M.checkpoint
+    monkeypatch.setattr(M, "checkpoint", lambda fn, *a, **k: (
+        recomputed_layers.append(fn) if isinstance(fn, M.DecoderLayer) else None) or plain_checkpoint(fn, *a, **k))
     extra = [*short_run(script, tiny_model), "--max-steps", 2]
     main(common(tiny_model, data_dir, tmp_path / "plain", *extra))
     assert not recomputed_layers
