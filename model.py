@@ -149,13 +149,14 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, past + T, hd)
-        if mask is not None and self.n_kv != self.n_head:
-            # each key/value head serves n_head / n_kv query heads. SDPA's fused kernels take
-            # grouped heads only without a mask (with one they fall back to the slow path)
-            k, v = (t.repeat_interleave(self.n_head // self.n_kv, dim=1) for t in (k, v))
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           enable_gqa=mask is None and self.n_kv != self.n_head)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+        if mask is None:  # plain causal attention; each key/value head serves n_head / n_kv query heads
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv != self.n_head)
+        else:  # the query heads of one key/value head side by side, each with its mask row: the
+            # keys are read once for all of them, not copied for each (SDPA's grouped heads take no mask)
+            rep = self.n_head // self.n_kv
+            y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, rep * T, self.hd), k, v,
+                                               attn_mask=mask.repeat(1, 1, rep, 1))
+        return self.o_proj(y.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd))
 
 
 class MLP(nn.Module):
