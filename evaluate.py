@@ -57,9 +57,10 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     """Summed log-likelihood of every continuation in choices[i] after contexts[i], tokenised
     as lm-evaluation-harness does (a continuation's tokens are those of the whole string
     after the context's). Each context runs once and its KV cache is copied to its choices,
-    so a 5-shot prompt is not computed again for every option; where every continuation of
-    a batch is one token (MMLU's ' A'..' D'), the context's last state alone scores them,
-    with no cache at all. Returns a list of lists of floats."""
+    so a 5-shot prompt is not computed again for every option, and what a batch's contexts
+    share at their start runs once for all of them; where every continuation of a batch is
+    one token (MMLU's ' A'..' D'), the context's last state alone scores them. Returns a
+    list of lists of floats."""
     device = model.lm_head.weight.device
     ctx_ids = tok.encode_batch(contexts)
     cont_ids = [[whole[len(c):] for whole in tok.encode_batch([ctx + o for o in opts])]
@@ -70,11 +71,19 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
         batch = order[start:start + batch_size]
         conts = [c for i in batch for c in cont_ids[i]]
         owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
-        ids, mask = left_pad([ctx_ids[i] for i in batch], tok.pad_id, device)
+        # what the batch's contexts share at their start (TruthfulQA's primer) runs once, one row
+        # copied to every context's; the rest of each runs after it, left-padded
+        shared = min(runs.common_length(ctx_ids[batch[0]], ctx_ids[i]) for i in batch)
+        shared = min([shared] + [len(ctx_ids[i]) - 1 for i in batch]) if shared >= runs.SHARED_MIN else 0
+        ids, mask = left_pad([ctx_ids[i][shared:] for i in batch], tok.pad_id, device)
         L = max(map(len, conts))
-        cache = model.new_cache(len(batch), ids.shape[1] + L) if L > 1 else None
+        cache = model.new_cache(1 if shared else len(batch), shared + ids.shape[1] + L) if L > 1 or shared else None
+        if shared:
+            model(torch.tensor([ctx_ids[batch[0]][:shared]], device=device), cache=cache)
+            cache.select_rows(torch.zeros(len(batch), dtype=torch.long, device=device))
+            mask = torch.cat([mask.new_ones(len(batch), shared), mask], 1)
         last = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]  # (B, hidden)
-        if L == 1:
+        if L == 1:  # MMLU's ' A'..' D': the last state scores them
             sums = model.token_logprobs(last[owner], torch.tensor([c[0] for c in conts], device=device)).tolist()
         else:
             cache.select_rows(owner)  # each context's keys and values copied to its choices' rows

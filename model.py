@@ -2,7 +2,7 @@
 Qwen3 (dense) in one file, to be read top to bottom: config, RMSNorm, rotary embedding,
 KV cache, grouped-query attention with per-head q/k RMSNorm, SwiGLU MLP, the model (a
 forward pass and a fixed-shape decode step), per-token log-probs over the vocabulary in
-chunks, the training pass over token lists, the tokenizer, and load()/save().
+chunks, the tokenizer, and load()/save().
 
 Module names are Hugging Face's (model.layers.N.self_attn.q_proj, ...), so an official
 model.safetensors loads with load_state_dict and no name map, and LoRA keys match PEFT's.
@@ -266,31 +266,6 @@ def chunked(fn, chunk_size, *tensors):
     parts = [checkpoint(fn, *xs, use_reentrant=False) if grad else fn(*xs)
              for xs in zip(*(t.split(chunk_size) for t in tensors))]
     return torch.cat(parts) if parts else tensors[0].new_zeros(0, dtype=torch.float32)
-
-
-def sequence_states(model, sequences, starts, pad_id=0):
-    """The final hidden state at every state seq[:t] whose next token seq[t] is trained on,
-    for t in [start, len(seq)) of each token list. Returns (states (N, hidden), targets (N,),
-    the sequence of each (N,)), sequence by sequence. The sequences are right-padded into one
-    batch: padding comes after every real token, so causal attention alone keeps it out."""
-    device = model.lm_head.weight.device
-    for b, (s, start) in enumerate(zip(sequences, starts)):
-        if not 1 <= start <= len(s):
-            raise ValueError(f"sequence {b}: start {start} outside [1, {len(s)}]")
-    ids = torch.full((len(sequences), max(map(len, sequences))), pad_id, dtype=torch.long)
-    for b, s in enumerate(sequences):
-        ids[b, :len(s)] = torch.tensor(s)
-    ids = ids.to(device)
-    trained = [(b, t) for b, (s, start) in enumerate(zip(sequences, starts)) for t in range(start, len(s))]
-    rows, cols = torch.tensor(trained, dtype=torch.long, device=device).view(-1, 2).T
-    return model(ids, hidden_only=True)[rows, cols - 1], ids[rows, cols], rows
-
-
-def sequence_logprobs(model, sequences, starts, pad_id=0):
-    """log p(seq[t] | seq[:t]) in fp32 for t in [start, len(seq)), flat (N,), and the index of
-    each one's sequence (N,): the training pass's view of the policy that sample.py samples."""
-    states, targets, rows = sequence_states(model, sequences, starts, pad_id)
-    return model.token_logprobs(states, targets), rows
 
 
 # -----------------------------------------------------------------------------

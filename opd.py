@@ -140,7 +140,7 @@ def main(argv=None):
     def states(net, adapter, sequences, starts):  # a model's final hidden states at the trained states
         training = net.training  # eval mode, so no adapter dropout, also amid the student's (shared) training pass
         with lora.use_adapter(net.eval(), adapter):
-            out = M.sequence_states(net, sequences, starts, tok.pad_id)
+            out = runs.sequence_states(net, sequences, starts, tok.pad_id)
         net.train(training)
         return out
 
@@ -193,10 +193,10 @@ def main(argv=None):
             for part in parts:
                 part_seqs, part_starts = [seqs[i] for i in part], [seq_starts[i] for i in part]
                 if args.signal == "continuation":
-                    logp = M.sequence_logprobs(model, part_seqs, part_starts, tok.pad_id)[0]
+                    logp = runs.sequence_logprobs(model, part_seqs, part_starts, tok.pad_id)[0]
                     loss, metrics = continuation_loss(logp)
                 else:
-                    student_h = M.sequence_states(model, part_seqs, part_starts, tok.pad_id)[0]
+                    student_h = runs.sequence_states(model, part_seqs, part_starts, tok.pad_id)[0]
                     # the teacher runs again on the pass's own batch: where the models agree, KL and gradient
                     # are then exactly zero, not the noise of two batch shapes that Adam would scale up
                     with torch.no_grad():

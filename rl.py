@@ -118,12 +118,12 @@ def main(argv=None, reward_fn=exact_answer_reward):
             refs = [None] * len(parts)
             if args.kl_coef > 0:
                 with torch.no_grad(), lora.use_adapter(model, None):
-                    refs = [M.sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part],
+                    refs = [runs.sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part],
                                                 tok.pad_id)[0] for part in parts]
             for _ in range(args.ppo_epochs):
                 loss_sum, metrics = 0.0, {}
                 for part, old_logp, ref_logp in zip(parts, olds, refs):
-                    logp, seq = M.sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part],
+                    logp, seq = runs.sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part],
                                                     tok.pad_id)
                     loss, part_metrics = policy_loss(logp, old_logp, advantages[part][seq], args.clip, ref_logp,
                                                      args.kl_coef)

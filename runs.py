@@ -190,6 +190,94 @@ def micro_batches(lengths, grad_accum=1, max_tokens=0):
     return passes
 
 
+SHARED_MIN = 16  # tokens a sequence must share with a row to be laid out in it beyond the longest's length
+
+
+def common_length(a, b):
+    """How many tokens two token lists share at their start."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def walk(trie, s):
+    """The columns of the longest start of s that a row already holds (trie: (parent column,
+    token) -> column, the root's parent -1)."""
+    path = []
+    while len(path) < len(s) and (path[-1] if path else -1, s[len(path)]) in trie:
+        path.append(trie[path[-1] if path else -1, s[len(path)]])
+    return path
+
+
+def shared_rows(sequences):
+    """How a training pass lays token lists out: in rows of prefix trees, each token computed
+    once for every sequence that opens with the tokens before it (RL's samples of one prompt,
+    OPD's continuations of one rollout's cuts), short sequences side by side in a row up to
+    the longest's length, longest first. Returns (rows of token ids, each row's parent
+    column of every token, -1 at a tree's root, the row and columns of each sequence)."""
+    cap = max(map(len, sequences))
+    rows, parents, tries, placed = [], [], [], [None] * len(sequences)
+    for b in sorted(range(len(sequences)), key=lambda i: -len(sequences[i])):
+        s, best = sequences[b], None
+        for r, trie in enumerate(tries):  # the row sharing most of s, of those with room for its rest
+            path = walk(trie, s)
+            if (len(rows[r]) + len(s) - len(path) <= cap or len(path) >= SHARED_MIN) and (
+                    best is None or len(path) > len(best[1])):
+                best = (r, path)
+        if best is None:
+            rows.append([]), parents.append([]), tries.append({})
+            best = (len(rows) - 1, [])
+        r, columns = best[0], list(best[1])
+        for token in s[len(columns):]:
+            parent = columns[-1] if columns else -1
+            tries[r][parent, token] = len(rows[r])
+            columns.append(len(rows[r]))
+            rows[r].append(token), parents[r].append(parent)
+        placed[b] = (r, columns)
+    return rows, parents, placed
+
+
+def sequence_states(model, sequences, starts, pad_id=0):
+    """The final hidden state at every state seq[:t] whose next token seq[t] is trained on,
+    for t in [start, len(seq)) of each token list. Returns (states (N, hidden), targets
+    (N,), the sequence of each (N,)), sequence by sequence. Rows are laid out by
+    shared_rows and right-padded; a token attends to the tokens on its path from its
+    tree's root and counts its position from there, so each sequence computes what it
+    would alone. Where every row holds one sequence, causal attention alone does that."""
+    device = model.lm_head.weight.device
+    for b, (s, start) in enumerate(zip(sequences, starts)):
+        if not 1 <= start <= len(s):
+            raise ValueError(f"sequence {b}: start {start} outside [1, {len(s)}]")
+    rows, parents, placed = shared_rows(sequences)
+    R, T = len(rows), max(map(len, rows))
+    ids = torch.full((R, T), pad_id, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+    ids = ids.to(device)
+    if R == len(sequences):  # no common prefix, no two side by side
+        hidden = model(ids, hidden_only=True)
+    else:
+        positions, visible = torch.zeros(R, T, dtype=torch.long), torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)
+        for r, row_parents in enumerate(parents):
+            for c, p in enumerate(row_parents):
+                if p >= 0:  # what its parent sees, and itself
+                    visible[r, c] |= visible[r, p]
+                    positions[r, c] = positions[r, p] + 1
+        hidden = model.body(ids, positions.to(device), visible[:, None].to(device), None)
+    trained = [(r, columns[t - 1], columns[t], b) for b, ((r, columns), start) in enumerate(zip(placed, starts))
+               for t in range(start, len(columns))]
+    row, state, target, which = torch.tensor(trained, dtype=torch.long, device=device).view(-1, 4).T
+    return hidden[row, state], ids[row, target], which
+
+
+def sequence_logprobs(model, sequences, starts, pad_id=0):
+    """log p(seq[t] | seq[:t]) in fp32 for t in [start, len(seq)), flat (N,), and the index of
+    each one's sequence (N,): the training pass's view of the policy that sample.py samples."""
+    states, targets, which = sequence_states(model, sequences, starts, pad_id)
+    return model.token_logprobs(states, targets), which
+
+
 def lr_at(step, total_steps, peak_lr, warmup_frac):
     """Linear warmup over the first warmup_frac of the steps, then cosine decay to zero."""
     warmup = max(1, round(warmup_frac * total_steps)) if warmup_frac > 0 else 0

@@ -100,7 +100,7 @@ def main(argv=None):
             model.train()
             loss_sum = 0.0
             for part in runs.micro_batches([len(s) for s, _ in batch], args.grad_accum, args.micro_batch_tokens):
-                logp, _ = M.sequence_logprobs(model, [batch[i][0] for i in part], [batch[i][1] for i in part],
+                logp, _ = runs.sequence_logprobs(model, [batch[i][0] for i in part], [batch[i][1] for i in part],
                                               tok.pad_id)
                 loss, _ = sft_loss(logp)
                 (loss * logp.numel() / n_tokens).backward()  # token-weighted over the whole step

@@ -16,7 +16,7 @@ import argparse
 
 import torch
 
-from common import M, add_args, build, markdown, ours_on, peak_memory, race, random_ids, ratio, setup
+from common import add_args, build, markdown, ours_on, peak_memory, race, random_ids, ratio, runs, setup
 import lora  # noqa: E402  (common put the repository on the path)
 
 
@@ -30,7 +30,7 @@ def our_step(model, ids, recompute, dropout):
     sequences = ids.tolist()
 
     def step():
-        loss = -M.sequence_logprobs(model, sequences, [1] * len(sequences))[0].mean()
+        loss = -runs.sequence_logprobs(model, sequences, [1] * len(sequences))[0].mean()
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -11,7 +11,16 @@ import torch
 
 from conftest import OFFICIAL_CONFIG, ROOT
 
-sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+
+def bench_common():
+    """bench/common.py, loaded by its path: putting bench/ on sys.path would shadow sample.py
+    with bench/sample.py for every later test."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("bench_common", os.path.join(ROOT, "bench", "common.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +62,7 @@ def test_train_step_bench_starts_from_the_same_loss(tiny_config):
 
 
 def test_peak_memory_counts_what_a_step_allocates_and_frees_inside_it():
-    from common import peak_memory
+    peak_memory = bench_common().peak_memory
     kept = []
 
     def step():
@@ -64,7 +73,8 @@ def test_peak_memory_counts_what_a_step_allocates_and_frees_inside_it():
 
 
 def test_ratio_pairs_each_round_and_race_takes_turns():
-    from common import race, ratio
+    common = bench_common()
+    race, ratio = common.race, common.ratio
     rounds = [[2.0, 1.0], [8.0, 2.0], [3.0, 1.0]]  # the second round was slow for both
     assert ratio(rounds, 0, 1) == ("3.00x", "2.00x to 4.00x")
     order = []

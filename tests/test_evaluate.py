@@ -62,11 +62,19 @@ def test_one_token_choices_are_scored_from_the_last_state_alone(tiny_model, data
     caches, plain_cache = [], ours.new_cache
     monkeypatch.setattr(ours, "new_cache", lambda *args: caches.append(args) or plain_cache(*args))
     got = E.score_choices(ours, tok, contexts, choices, batch_size=3)
-    assert caches == []  # no cache, no copies of it: the context's last state scores every choice
+    # the subject header every MMLU prompt opens with runs once a batch: a cache of one row,
+    # copied to the batch's contexts; the choices need none, the contexts' last states score them
+    assert [args[0] for args in caches] == [1, 1]
     for ctx, opts, scores in zip(contexts, choices, got):
         assert max(abs(s - brute_force(ref, tok, ctx, o)) for s, o in zip(scores, opts)) < 1e-4
-    E.score_choices(ours, tok, contexts[:2], [[" the", " and so"]] * 2, batch_size=2)
-    assert len(caches) == 1 and caches[0][0] == 2  # longer choices: one cache of the two contexts, copied to 4 rows
+    caches.clear()
+    others = ["Question: how many apples?\nAnswer:", "Tom has 3 pens. How many?"]  # nothing shared
+    got = E.score_choices(ours, tok, others, [[" the", " and"]] * 2, batch_size=2)
+    assert caches == []
+    for ctx, scores in zip(others, got):
+        assert max(abs(s - brute_force(ref, tok, ctx, o)) for s, o in zip(scores, [" the", " and"])) < 1e-4
+    E.score_choices(ours, tok, others, [[" the", " and so"]] * 2, batch_size=2)
+    assert [args[0] for args in caches] == [2]  # longer choices: one cache of the two contexts, copied to 4 rows
 
 
 def test_mc2_score():

@@ -4,6 +4,7 @@ import torch.nn.functional as F
 
 import lora
 import model as M
+import runs
 from conftest import randomize_adapter
 from sample import draw, find_stop, generate, left_pad, tokens_before_stop
 
@@ -19,7 +20,7 @@ def loaded(tiny_model):
 def trained(model, rollouts):
     """The log-probs the training pass (model.sequence_logprobs) gives the rollouts' own tokens."""
     with torch.no_grad():
-        logp, _ = M.sequence_logprobs(model, [r.prompt_ids + r.completion_ids for r in rollouts],
+        logp, _ = runs.sequence_logprobs(model, [r.prompt_ids + r.completion_ids for r in rollouts],
                                       [len(r.prompt_ids) for r in rollouts])
     return logp
 

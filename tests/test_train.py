@@ -81,7 +81,7 @@ def answer_nll(tiny_model, adapter, examples):
     with torch.no_grad():
         seqs = [tok.encode(p) for p, _ in examples]
         full = [tok.encode(p + " " + a) + [tok.eos_id] for p, a in examples]
-        logp, _ = M.sequence_logprobs(m, full, [len(s) for s in seqs])
+        logp, _ = runs.sequence_logprobs(m, full, [len(s) for s in seqs])
     return -logp.mean().item()
 
 
@@ -366,7 +366,7 @@ def teacher_signal(tok, prefixes, continuations):
 
 def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_path, monkeypatch):
     trained, sampled = [], []  # (sequences, starts) of every training pass; every generate call's rollouts
-    real_logprobs, real_generate = M.sequence_logprobs, rl.generate
+    real_logprobs, real_generate = runs.sequence_logprobs, rl.generate
 
     def record_logprobs(model, sequences, starts, pad_id=0):
         if torch.is_grad_enabled():
@@ -378,7 +378,7 @@ def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_pat
         sampled.append((lora.active_adapter(model), prompts, k.get("stop"), out))
         return out
 
-    monkeypatch.setattr(M, "sequence_logprobs", record_logprobs)
+    monkeypatch.setattr(runs, "sequence_logprobs", record_logprobs)
     # SFT: every training state's prompt is a dataset prompt and the rest is dataset text
     sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 4, "--max-steps", 1))
     _, tok = M.load(tiny_model)
@@ -427,8 +427,8 @@ def test_opd_targets_end_before_a_stop_string(tiny_model, data_dir, tmp_path, mo
         return out
     monkeypatch.setattr(opd, "generate", teacher_runs_on)
     trained = []
-    real_logprobs = M.sequence_logprobs
-    monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
+    real_logprobs = runs.sequence_logprobs
+    monkeypatch.setattr(runs, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
         trained.extend(s[t:] for s, t in zip(seqs, st)) if torch.is_grad_enabled() else None)
         or real_logprobs(m, seqs, st, pad_id))
     opd.main(common(tiny_model, data_dir, tmp_path / "opd", "--teacher", tiny_model, "--prompts-per-step", 2,
@@ -450,8 +450,8 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
 
     monkeypatch.setattr(opd, "generate", record_generate)
     trained = []
-    real_logprobs = M.sequence_logprobs
-    monkeypatch.setattr(M, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
+    real_logprobs = runs.sequence_logprobs
+    monkeypatch.setattr(runs, "sequence_logprobs", lambda m, seqs, st, pad_id=0: (
         trained.append((seqs, st)) if torch.is_grad_enabled() else None) or real_logprobs(m, seqs, st, pad_id))
     _, tok = M.load(tiny_model)
 
@@ -778,12 +778,12 @@ def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_th
     prompt_lengths = sorted(len(p) for p, _ in gold)
     limit = prompt_lengths[4] + 3  # the longest prompts fill it: their examples have nothing left to learn
     trained = []
-    plain_states = M.sequence_states
+    plain_states = runs.sequence_states
 
     def recorded_states(model, sequences, starts, *rest):
         trained.extend(zip(map(tuple, sequences), starts))
         return plain_states(model, sequences, starts, *rest)
-    monkeypatch.setattr(M, "sequence_states", recorded_states)
+    monkeypatch.setattr(runs, "sequence_states", recorded_states)
     sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 8, "--max-length", limit,
                     "--max-steps", 1))
     expected = {(tuple((p + a)[:limit]), len(p)) for p, a in gold if len(p) < limit}
@@ -819,13 +819,13 @@ def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_models, data_dir
             return rollouts
         monkeypatch.setattr(module, "generate", uneven)
     passes = []  # how many sequences each training pass (a pass with a gradient) runs
-    plain_states = M.sequence_states
+    plain_states = runs.sequence_states
 
     def counted_states(model, sequences, *rest):
         if torch.is_grad_enabled():
             passes.append(len(sequences))
         return plain_states(model, sequences, *rest)
-    monkeypatch.setattr(M, "sequence_states", counted_states)
+    monkeypatch.setattr(runs, "sequence_states", counted_states)
     main(common(tiny_model, data_dir, tmp_path / "one", *extra))
     assert len(passes) == 2  # one pass a step: the default bound does not split these small batches
     whole = passes[0]
