@@ -167,12 +167,13 @@ def main(argv=None):
                 sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
                 starts = [len(r.prompt_ids) for r in rollouts]
                 texts = [r.text for r in rollouts]
-            with torch.no_grad():  # where the states lie: the teacher-student KL and the learner's NLL there
-                teacher_h = states(teacher, teacher_adapter, sequences, starts)[0]
+            with torch.no_grad():  # where the states lie: the learner's NLL there and (below) the teacher-student KL
                 student_h, targets, _ = states(model, "default", sequences, starts)
-                state_kl = token_kl(model, student_h, teacher_h, teacher.lm_head.weight, args.kl).mean().item()
                 # on the student's own rollouts this is the sampler's log-prob of its tokens
                 state_nll = -model.token_logprobs(student_h, targets).mean().item()
+                if args.signal == "continuation":  # with --signal logits the loss is this KL itself
+                    teacher_h = states(teacher, teacher_adapter, sequences, starts)[0]
+                    state_kl = token_kl(model, student_h, teacher_h, teacher.lm_head.weight, args.kl).mean().item()
 
             if args.signal == "continuation":  # the signal: the teacher continues each cut's prefix
                 rng = random.Random(args.seed * 1_000_003 + step)
@@ -208,6 +209,7 @@ def main(argv=None):
                 loss_sum += loss.item() * weight
             run.check_finite(step + 1, loss_sum)
             lr, grad_norm = runs.optimizer_step(optimizer, step, args.steps, args)
+            state_kl = state_kl if args.signal == "continuation" else loss_sum  # the mean KL over the states
 
             rewards = [float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch)]
             run.log(dict(step=step + 1, loss=loss_sum, state_kl=state_kl, state_nll=state_nll,
