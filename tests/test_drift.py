@@ -98,6 +98,27 @@ def test_mmd2_of_prompt_paired_samples_is_unbiased_and_its_test_calibrated():
     assert stat > 0 and p < 0.01
 
 
+def test_what_the_paired_estimator_cannot_see_and_the_unpaired_one_can():
+    """A change in how an answer relates to its own question (answers shuffled across
+    questions) leaves every pair of states from different prompts alike: the paired MMD^2
+    stays at its null and cannot see it. The unpaired one compares same-prompt pairs too, and
+    rises well above where it sits when nothing changed (below zero, by the pairing)."""
+    g = torch.Generator().manual_seed(5)
+    prompts = 80
+    questions, answers = torch.randn(prompts, 6, generator=g), torch.randn(prompts, 6, generator=g)
+    index = torch.arange(prompts)
+    noise = lambda: 0.3 * torch.randn(prompts, 12, generator=g)
+    base = torch.cat([questions, answers], 1) + noise()
+    same = torch.cat([questions, answers], 1) + noise()
+    shuffled = torch.cat([questions, answers[torch.randperm(prompts, generator=g)]], 1) + noise()
+    bw = drift.median_bandwidth(base)
+    paired = {name: drift.mmd2_test(base, Y, bw, 200, 0, index, index) for name, Y in (("same", same),
+                                                                                        ("shuffled", shuffled))}
+    unpaired = {name: drift.mmd2_test(base, Y, bw, 200)[0] for name, Y in (("same", same), ("shuffled", shuffled))}
+    assert paired["shuffled"][1] > 0.05 and abs(paired["shuffled"][0]) < abs(unpaired["same"])  # blind to it
+    assert unpaired["same"] < 0 and unpaired["shuffled"] - unpaired["same"] > 5 * abs(paired["same"][0])
+
+
 def test_sliced_wasserstein_is_zero_on_itself_and_grows_with_shift():
     g = torch.Generator().manual_seed(2)
     X = torch.randn(200, 6, generator=g)
@@ -205,7 +226,8 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
         result = json.loads((run / "drift.json").read_text())
         assert result["settings"]["max_new_tokens"] == int(tokens)
         assert result["settings"]["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[dtype]
-        assert result["mmd2"] == 0.0 and result["p_value"] == 1.0, result
+        assert result["mmd2"] == result["mmd"] == 0.0 and result["p_value"] == 1.0, result
+        assert result["mmd2_unpaired"] < 0 and result["p_value_unpaired"] == 1.0  # the pairing's pull below zero
         assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
         assert result["n_states_run"] == result["n_states_base"] >= 6
     with pytest.raises(M.InputError, match="--prompts 7: the GSM8K test split holds 6 questions; pass --prompts 6 or fewer"):
