@@ -48,6 +48,12 @@ def test_sample_bench_decodes_what_transformers_decodes(tiny_config):
     assert all(r[header.index("same tokens")] == "yes" for r in rows)
 
 
+def test_sample_bench_times_an_adapters_own_products_against_it_merged(tiny_config):
+    header, *rows = bench("sample", tiny_config, "--new-tokens", "4", "--adapter-rank", "2", "--batches", "2")
+    assert header[3:5] == ["own products tok/s", "merged tok/s"] and [r[:3] for r in rows] == [["fp32", "2", "2"],
+                                                                                            ["bf16", "2", "2"]]
+
+
 def test_group_bench_runs_each_dtype_in_a_process_of_its_own(tiny_config):
     rows = bench("group", tiny_config, "--new-tokens", "4", "--prompts", "2", "--samples", "3")
     assert [r[0] for r in rows] == ["dtype", "fp32", "dtype", "bf16"]  # two tables: two processes
