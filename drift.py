@@ -205,8 +205,12 @@ def rollout_states(rollouts, stride):
 
 
 def collect(model, tok, prompts, args):
-    rollouts = generate(model, tok, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                        stop=data.GSM8K_STOP, seed=args.seed, progress=True)
+    first, last = runs.split(len(prompts))  # under torchrun, each process rolls out its share of the prompts
+    rollouts = generate(model, tok, prompts[first:last], max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, stop=data.GSM8K_STOP, seed=args.seed + first, progress=True)
+    for r in rollouts:
+        r.prompt_index += first
+    rollouts = runs.joined(rollouts)
     states, prompt_lengths, prompts = rollout_states(rollouts, args.stride)
     return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts, texts=[r.text for r in rollouts])
 
@@ -305,8 +309,9 @@ def main(argv=None):
         lora.set_adapter(model, None)
         model.eval()
         base = dict(settings=settings, **collect(model, tok, prompts, args))
-        os.makedirs(args.out, exist_ok=True)
-        M.write_json(cache_path, base)
+        if not runs.RANK:  # under torchrun, one process writes
+            os.makedirs(args.out, exist_ok=True)
+            M.write_json(cache_path, base)
     X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
 
@@ -324,7 +329,8 @@ def main(argv=None):
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
                       n_states_base=len(X), n_states_run=len(Y), settings=settings,
                       adapter_sha256=model.lora_config[f"run{i}"]["sha256"])
-        M.write_json(os.path.join(run, args.save_as), result)
+        if not runs.RANK:
+            M.write_json(os.path.join(run, args.save_as), result)
         print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))
 
 

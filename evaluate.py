@@ -66,9 +66,8 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     cont_ids = [[whole[len(c):] for whole in tok.encode_batch([ctx + o for o in opts])]
                 for ctx, c, opts in zip(contexts, ctx_ids, choices)]
     order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))  # like lengths share a batch: less padding
-    results = [None] * len(contexts)
-    for start in tqdm(range(0, len(order), batch_size), desc=desc, leave=False):
-        batch = order[start:start + batch_size]
+    batches, scores = [order[start:start + batch_size] for start in range(0, len(order), batch_size)], []
+    for batch in tqdm(batches[slice(*runs.split(len(batches)))], desc=desc, leave=False):  # torchrun: a share
         conts = [c for i in batch for c in cont_ids[i]]
         owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
         # what the batch's contexts share at their start (TruthfulQA's primer) runs once, one row
@@ -95,6 +94,9 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
             logp = model.token_logprobs(states[keep], c_ids[keep])
             rows = torch.arange(len(conts), device=device)[:, None].expand_as(keep)[keep]
             sums = torch.zeros(len(conts), device=device).index_add_(0, rows, logp).tolist()
+        scores.append(sums)
+    results = [None] * len(contexts)
+    for batch, sums in zip(batches, runs.joined(scores)):
         for i in batch:
             results[i], sums = sums[:len(cont_ids[i])], sums[len(cont_ids[i]):]
     return results
@@ -110,13 +112,16 @@ def eval_gsm8k(model, tok, args, shots):
                            f"--gsm8k-fewshot {len(train)} or fewer (lm-evaluation-harness uses 5)")
     prompts = [data.gsm8k_prompt(r["question"], train[:shots]) for r in rows]
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths share a batch
-    completions = [None] * len(prompts)
-    for start in tqdm(range(0, len(order), args.batch_size), desc=f"gsm8k {shots}-shot", leave=False):
-        batch = order[start:start + args.batch_size]
+    batches = [order[start:start + args.batch_size] for start in range(0, len(order), args.batch_size)]
+    texts = []
+    for batch in tqdm(batches[slice(*runs.split(len(batches)))], desc=f"gsm8k {shots}-shot", leave=False):
         outs = generate(model, tok, [prompts[i] for i in batch], max_new_tokens=args.max_new_tokens,
                         temperature=0, stop=data.GSM8K_STOP)
-        for i, r in zip(batch, outs):
-            completions[i] = r.text
+        texts.append([r.text for r in outs])
+    completions = [None] * len(prompts)
+    for batch, outs in zip(batches, runs.joined(texts)):  # under torchrun, every process's batches
+        for i, text in zip(batch, outs):
+            completions[i] = text
     samples = []
     for i, (row, text) in enumerate(zip(rows, completions)):
         strict, flexible = data.extract_answer(text, "strict"), data.extract_answer(text, "flexible")
@@ -686,7 +691,8 @@ def main(argv=None):
                 results["retention"] = retention(retention_scores(read_json(base_path)), retention_scores(results),
                                                  paired_stderr(read_samples(args.out), samples, args.out))
             results["settings"] = {k: v for k, v in vars(args).items() if k not in ("runs", "table")}
-            write_eval(folder, results, samples)
+            if not runs.RANK:  # under torchrun, one process writes
+                write_eval(folder, results, samples)
             print(f"{run}: " + json.dumps({k: v for k, v in results.items() if k != "settings"}))
 
 

@@ -144,12 +144,14 @@ def main(argv=None):
         net.train(training)
         return out
 
-    bar = tqdm(range(start, end), initial=start, total=end, desc=f"opd-{args.signal}")
+    bar = tqdm(range(start, end), initial=start, total=end, desc=f"opd-{args.signal}", disable=runs.RANK > 0)
     with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
         for step in bar:
             t0 = time.time()
             torch.manual_seed(args.seed * 1_000_003 + step)
             batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
+            first, last = runs.split(len(batch), "--prompts-per-step")  # under torchrun, this process's prompts
+            batch = batch[first:last]
 
             # the state source: the student's own trajectories (or the teacher's, or the dataset's)
             model.eval()
@@ -163,22 +165,24 @@ def main(argv=None):
                 with lora.use_adapter(sampler, adapter):
                     rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
                                         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                        stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
+                                        stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step + first)
                 sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
                 starts = [len(r.prompt_ids) for r in rollouts]
                 texts = [r.text for r in rollouts]
             with torch.no_grad():  # where the states lie: the learner's NLL there and (below) the teacher-student KL
                 student_h, targets, _ = states(model, "default", sequences, starts)
                 # on the student's own rollouts this is the sampler's log-prob of its tokens
-                state_nll = -model.token_logprobs(student_h, targets).mean().item()
+                state_nll, state_kl = -model.token_logprobs(student_h, targets).sum().item(), 0.0
                 if args.signal == "continuation":  # with --signal logits the loss is this KL itself
                     teacher_h = states(teacher, teacher_adapter, sequences, starts)[0]
-                    state_kl = token_kl(model, student_h, teacher_h, teacher.lm_head.weight, args.kl).mean().item()
+                    state_kl = token_kl(model, student_h, teacher_h, teacher.lm_head.weight, args.kl).sum().item()
+                state_nll, state_kl, n_states = runs.summed(state_nll, state_kl, len(targets))  # over the processes
 
             if args.signal == "continuation":  # the signal: the teacher continues each cut's prefix
-                rng = random.Random(args.seed * 1_000_003 + step)
-                prefixes = [seq[:start + t] for seq, start in zip(sequences, starts)
-                            for t in sorted(rng.sample(range(len(seq) - start), min(args.cuts, len(seq) - start)))]
+                rng = random.Random(args.seed * 1_000_003 + step)  # drawn for the whole step, kept for its share
+                cuts = [sorted(rng.sample(range(n), min(args.cuts, n)))
+                        for n in runs.joined([len(seq) - start for seq, start in zip(sequences, starts)])][first:last]
+                prefixes = [seq[:start + t] for seq, start, ts in zip(sequences, starts, cuts) for t in ts]
                 with lora.use_adapter(teacher, teacher_adapter):
                     conts = generate(teacher, tok, prefixes, max_new_tokens=args.continuation_tokens, temperature=0,
                                      stop=data.GSM8K_STOP)
@@ -188,7 +192,7 @@ def main(argv=None):
             else:
                 seqs, seq_starts = sequences, starts
             model.train()
-            n_tokens = sum(len(s) - st for s, st in zip(seqs, seq_starts))
+            n_tokens = runs.summed(sum(len(s) - st for s, st in zip(seqs, seq_starts)))[0]
             parts = runs.micro_batches(list(map(len, seqs)), args.grad_accum, args.micro_batch_tokens)
             loss_sum = 0.0
             for part in parts:
@@ -207,15 +211,15 @@ def main(argv=None):
                 weight = metrics["tokens"] / n_tokens  # micro-batches add up to the token mean of the whole step
                 (loss * weight).backward()
                 loss_sum += loss.item() * weight
+            loss_sum = runs.summed(loss_sum)[0]
             run.check_finite(step + 1, loss_sum)
             lr, grad_norm = runs.optimizer_step(optimizer, step, args.steps, args)
-            state_kl = state_kl if args.signal == "continuation" else loss_sum  # the mean KL over the states
+            state_kl = state_kl / n_states if args.signal == "continuation" else loss_sum  # the mean KL over the states
 
-            rewards = [float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch)]
-            run.log(dict(step=step + 1, loss=loss_sum, state_kl=state_kl, state_nll=state_nll,
-                         reward=statistics.mean(rewards), completion_len=statistics.mean(
-                             len(q) - st for q, st in zip(sequences, starts)), lr=lr, grad_norm=grad_norm,
-                         tokens=n_tokens, seconds=time.time() - t0))
+            rewards = runs.joined(float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch))
+            run.log(dict(step=step + 1, loss=loss_sum, state_kl=state_kl, state_nll=state_nll / n_states,
+                         reward=statistics.mean(rewards), completion_len=n_states / len(rewards), lr=lr,
+                         grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0))
             bar.set_postfix(loss=f"{loss_sum:.4f}", kl=f"{state_kl:.4f}")
             run.end_step(model, optimizer, step + 1, end)
     run.finish(end)

@@ -19,7 +19,6 @@ policy also learns when to stop) rather than a per-sequence mean.
     python rl.py --max-steps 20 --out out/rl-short
 """
 import argparse
-import statistics
 import time
 
 import torch
@@ -94,23 +93,26 @@ def main(argv=None, reward_fn=exact_answer_reward):
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     start = run.resume(model, optimizer) if args.resume else 0
     end = min(args.steps, args.max_steps) if args.max_steps else args.steps
-    bar = tqdm(range(start, end), initial=start, total=end, desc="rl")
+    bar = tqdm(range(start, end), initial=start, total=end, desc="rl", disable=runs.RANK > 0)
     with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
         for step in bar:
             t0 = time.time()
             torch.manual_seed(args.seed * 1_000_003 + step)
             batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
+            first, last = runs.split(len(batch), "--prompts-per-step")  # under torchrun, this process's prompts
+            batch = batch[first:last]
 
             # the state source: the current policy samples its own trajectories
             model.eval()
             rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], n=args.group_size,
                                 max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step)
+                                stop=data.GSM8K_STOP, seed=args.seed * 1_000_003 + step + first * args.group_size)
             rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
             advantages = group_advantages(rewards, args.group_size).to(device)
             sequences = [r.prompt_ids + r.completion_ids for r in rollouts]
             starts = [len(r.prompt_ids) for r in rollouts]
-            n_tokens = sum(len(r.completion_ids) for r in rollouts)
+            n_tokens, logp_sum = runs.summed(sum(len(r.completion_ids) for r in rollouts),
+                                             sum(map(sum, (r.logprobs for r in rollouts))))  # over the processes
 
             model.train()
             parts = runs.micro_batches(list(map(len, sequences)), args.grad_accum, args.micro_batch_tokens)
@@ -132,15 +134,18 @@ def main(argv=None, reward_fn=exact_answer_reward):
                     loss_sum += loss.item() * weight
                     for k, v in part_metrics.items():
                         metrics[k] = metrics.get(k, 0.0) + v * weight
+                loss_sum, *values = runs.summed(loss_sum, *metrics.values())
+                metrics = dict(zip(metrics, values))
                 run.check_finite(step + 1, loss_sum)
                 lr, grad_norm = runs.optimizer_step(optimizer, step, args.steps, args)
 
+            rewards = runs.joined(rewards)
             groups = torch.tensor(rewards).view(-1, args.group_size)
             record = dict(step=step + 1, loss=loss_sum, reward=sum(rewards) / len(rewards),
                           no_signal_frac=(groups.std(1, unbiased=False) == 0).float().mean().item(),
-                          completion_len=statistics.mean(len(r.completion_ids) for r in rollouts),
+                          completion_len=n_tokens / len(rewards),
                           # the states RL trains on are the policy's own: their NLL is that of its samples
-                          state_nll=-sum(map(sum, (r.logprobs for r in rollouts))) / n_tokens, lr=lr,
+                          state_nll=-logp_sum / n_tokens, lr=lr,
                           grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0, **metrics)
             run.log(record)
             bar.set_postfix(reward=f"{record['reward']:.3f}", loss=f"{record['loss']:.4f}")

@@ -24,6 +24,7 @@ import sys
 import threading
 
 import torch
+import torch.distributed as dist
 
 import lora
 from model import DEFAULT_MODEL, InputError, read_json, read_safetensors_file, write_atomic, write_json
@@ -102,8 +103,10 @@ def resolve_device(device=None, dtype=None):
 
 
 def device_from_args(args):
-    """resolve_device for --device and --dtype, printing what was picked and why."""
+    """resolve_device for --device and --dtype, printing what was picked and why; under
+    torchrun, this process's own GPU."""
     device, dtype = resolve_device(args.device, args.dtype)
+    device = join_processes(device)
     source = "given" if args.device else "from $STATES_DEVICE" if os.environ.get("STATES_DEVICE") else "default"
     print(f"device {device} ({source}), dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
     return device, dtype
@@ -164,6 +167,50 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
 
 # what a training script's out-of-memory error says to do: the flags above that need less
 MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recompute"
+
+
+# -----------------------------------------------------------------------------
+# more than one process: under `torchrun --nproc-per-node N`, every process takes a share
+# of each step's batch and the adapter's gradients are summed over them; one process (RANK
+# 0) writes the run folder. A plain `python` run is WORLD 1 and none of this does anything.
+
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def join_processes(device):
+    """Join torchrun's process group (NCCL on CUDA, gloo on the CPU); returns the device this
+    process runs on, on CUDA its own GPU."""
+    if WORLD == 1 or dist.is_initialized():
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def split(n, flag=None):
+    """(first, last): this process's contiguous share of n items, in rank order, so that the
+    shares joined are the whole. Where a flag sets n, it must split evenly, so that every
+    process takes the same share and N processes make the update one makes."""
+    if flag and n % WORLD:
+        raise InputError(f"{flag} {n} does not split evenly over {WORLD} processes; pass a multiple of {WORLD}, or "
+                         f"run fewer processes")
+    return RANK * n // WORLD, (RANK + 1) * n // WORLD
+
+
+def joined(part):
+    """Every process's list, joined in rank order (split's inverse)."""
+    if WORLD == 1:
+        return list(part)
+    parts = [None] * WORLD
+    dist.all_gather_object(parts, list(part))
+    return [x for p in parts for x in p]
+
+
+def summed(*values):
+    """Each number summed over the processes."""
+    return [sum(column) for column in zip(*joined([values]))]
 
 
 # -----------------------------------------------------------------------------
@@ -293,6 +340,10 @@ def optimizer_step(optimizer, step, total_steps, args):
     for group in optimizer.param_groups:
         group["lr"] = lr
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    if WORLD > 1:  # each process divided its loss by the whole step's tokens: the sum is the step's gradient
+        for p in params:
+            p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
+            dist.all_reduce(p.grad)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf")).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -309,9 +360,10 @@ def hold(folder, instead=", or pass another --out"):
     """Hold folder for this process, or stop with one line if another process holds it: two
     runs writing one folder would interleave their logs and overwrite each other's
     checkpoints. The lock is the operating system's (flock on folder/.lock), so it ends
-    with the process however that ends. Holding a folder this process holds does nothing."""
+    with the process however that ends. Holding a folder this process holds does nothing,
+    and so does every process of torchrun's but the one that writes (RANK 0)."""
     key = os.path.realpath(folder)
-    if key in HELD:
+    if key in HELD or RANK:
         return
     os.makedirs(folder, exist_ok=True)
     if fcntl is None:
@@ -496,10 +548,11 @@ class RunFolder:
         if args.resume and not has_checkpoint:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
         if not args.resume:  # what a run killed before its first checkpoint left
-            for leftover in (self.log_path, os.path.join(folder, "run.json")):
+            for leftover in (self.log_path, os.path.join(folder, "run.json")) if not RANK else ():
                 if os.path.isfile(leftover):
                     os.remove(leftover)
-            shutil.rmtree(self.snapshots, ignore_errors=True)
+            if not RANK:
+                shutil.rmtree(self.snapshots, ignore_errors=True)
             return
         check_same_base(folder, args.model)
         teacher = getattr(args, "teacher", None)
@@ -534,18 +587,21 @@ class RunFolder:
         lora.assign_adapter_tensors(model, read_safetensors_file(weights), name, weights)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-        if os.path.isfile(self.log_path):  # forget the log lines of steps after the checkpoint
-            text = "".join(json.dumps(r) + "\n" for r in read_log(self.log_path) if r["step"] <= step)
-            write_atomic(self.log_path, lambda p: open(p, "w").write(text))
-        for entry in os.listdir(self.snapshots) if os.path.isdir(self.snapshots) else []:
-            found = re.fullmatch(r"step-(\d+)(\.tmp)?", entry)  # and snapshots of later steps, whole or half-written
-            if found and (found[2] or int(found[1]) > step):
-                shutil.rmtree(os.path.join(self.snapshots, entry))
-        write_json(os.path.join(self.folder, "run.json"), self.record)
+        if not RANK:  # the process that writes
+            if os.path.isfile(self.log_path):  # forget the log lines of steps after the checkpoint
+                text = "".join(json.dumps(r) + "\n" for r in read_log(self.log_path) if r["step"] <= step)
+                write_atomic(self.log_path, lambda p: open(p, "w").write(text))
+            for entry in os.listdir(self.snapshots) if os.path.isdir(self.snapshots) else []:
+                found = re.fullmatch(r"step-(\d+)(\.tmp)?", entry)  # and snapshots of later steps, whole or half-written
+                if found and (found[2] or int(found[1]) > step):
+                    shutil.rmtree(os.path.join(self.snapshots, entry))
+            write_json(os.path.join(self.folder, "run.json"), self.record)
         print(f"resuming {self.folder} at step {step}")
         return step
 
     def save(self, model, optimizer, step, name="default"):
+        if RANK:  # under torchrun, one process writes
+            return
         tmp, old = self.ckpt + ".tmp", self.ckpt + ".old"
         shutil.rmtree(tmp, ignore_errors=True)
         lora.save_adapter(model, tmp, name)
@@ -564,9 +620,12 @@ class RunFolder:
         """Around a training loop: Ctrl-C (SIGINT) or SIGTERM, what a cluster's scheduler sends
         before it takes the machine back, lets the current step finish, and end_step then
         writes its checkpoint and ends the run, so nothing trained is lost. A second signal
-        stops at once, back at the last checkpoint. A loop that ends in an exception lets
+        stops at once, back at the last checkpoint (under torchrun, which passes its signal on
+        to its processes, only its SIGKILL 30 s later does). A loop that ends in an exception lets
         the folder go (and deletes it, where the run made it and never checkpointed)."""
         def request_stop(signum, frame):
+            if self.stop_requested and WORLD > 1:  # torchrun passing on the signal its processes had already
+                return
             if self.stop_requested:
                 raise KeyboardInterrupt
             self.stop_requested = signal.Signals(signum).name
@@ -589,7 +648,10 @@ class RunFolder:
     def end_step(self, model, optimizer, step, end):
         """After step `step` of a run ending at `end`: a snapshot every --snapshot-every steps, a
         checkpoint every --save-every steps, at the end, and where a stop was asked for."""
-        stopping = self.stop_requested is not None and step < end
+        asked = self.stop_requested is not None
+        if WORLD > 1:  # under torchrun every process stops after the same step, where any was asked to
+            asked = summed(asked)[0] > 0
+        stopping = asked and step < end
         try:
             if self.args.snapshot_every and step % self.args.snapshot_every == 0:
                 self.snapshot(model, step)
@@ -601,12 +663,14 @@ class RunFolder:
                     "start the run again")
             raise InputError(f"could not write step {step}'s adapter to {self.folder} ({e.strerror or e}); {left}") from None
         if stopping:
-            raise SystemExit(f"stopped by {self.stop_requested} after step {step} of {end}, its checkpoint written to "
+            raise SystemExit(f"stopped by {self.stop_requested or 'a signal'} after step {step} of {end}, its checkpoint written to "
                              f"{self.ckpt}; continue with --resume (reproduce.py resumes by itself)")
 
     def snapshot(self, model, step, name="default"):
         """The adapter after `step` steps in snapshots/step-<step>, with run.json and the log so
         far: a finished run folder of its own, which evaluate.py and drift.py take."""
+        if RANK:
+            return
         folder = os.path.join(self.snapshots, f"step-{step:06d}")
         shutil.rmtree(folder + ".tmp", ignore_errors=True)
         lora.save_adapter(model, folder + ".tmp", name)
@@ -618,12 +682,15 @@ class RunFolder:
     def finish(self, step):
         """Mark the run complete in run.json (reproduce.py skips finished runs) and let the
         folder go; a stop asked for during the last step ends the program here."""
-        write_json(os.path.join(self.folder, "run.json"), {**self.record, "finished_steps": step})
+        if not RANK:
+            write_json(os.path.join(self.folder, "run.json"), {**self.record, "finished_steps": step})
         let_go(self.folder)
         if self.stop_requested is not None:
             raise SystemExit(f"stopped by {self.stop_requested} at the run's last step; {self.folder} is complete")
 
     def log(self, record):
+        if RANK:
+            return
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 

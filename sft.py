@@ -89,13 +89,14 @@ def main(argv=None):
 
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
     start = run.resume(model, optimizer) if args.resume else 0
-    bar = tqdm(range(start, end), initial=start, total=end, desc="sft")
+    bar = tqdm(range(start, end), initial=start, total=end, desc="sft", disable=runs.RANK > 0)
     with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
         for step in bar:
             t0 = time.time()
             torch.manual_seed(args.seed * 1_000_003 + step)  # dropout; per step, so a resumed run matches
             batch = [examples[i] for i in data.batch_indices(len(examples), step, args.batch_size, args.seed)]
             n_tokens = sum(len(s) - p for s, p in batch)
+            batch = batch[slice(*runs.split(len(batch), "--batch-size"))]  # under torchrun, this process's share
 
             model.train()
             loss_sum = 0.0
@@ -105,7 +106,7 @@ def main(argv=None):
                 loss, _ = sft_loss(logp)
                 (loss * logp.numel() / n_tokens).backward()  # token-weighted over the whole step
                 loss_sum += loss.item() * logp.numel()
-            loss = loss_sum / n_tokens
+            loss = runs.summed(loss_sum)[0] / n_tokens
             run.check_finite(step + 1, loss)
             lr, grad_norm = runs.optimizer_step(optimizer, step, total, args)
 

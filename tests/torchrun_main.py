@@ -1,0 +1,33 @@
+"""A training script's main as the distributed tests launch it under torchrun: rl.py rewards
+each prompt's first sample (a random model's answers are never right, so it would have
+nothing to learn); with $STOP_AT_STEP the writing process sends SIGTERM to torchrun amid
+that step, as a cluster's scheduler does to a job, and with $FAIL_AT_STEP the other one
+fails there.
+    torchrun --standalone --nproc-per-node 2 tests/torchrun_main.py rl --model ... --out ..."""
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import opd  # noqa: E402
+import rl  # noqa: E402
+import runs  # noqa: E402
+import sft  # noqa: E402
+
+stop_at, fail_at = int(os.environ.get("STOP_AT_STEP", "-1")), int(os.environ.get("FAIL_AT_STEP", "-1"))
+batch_indices = data.batch_indices
+
+
+def batch_indices_then_signal(n, step, *args):
+    if step == stop_at and runs.RANK == 0:
+        os.kill(os.getppid(), signal.SIGTERM)  # torchrun passes it on to every process
+    if step == fail_at and runs.RANK == 1:
+        raise RuntimeError(f"process 1 failed at step {step + 1}")
+    return batch_indices(n, step, *args)
+
+
+data.batch_indices = batch_indices_then_signal
+MAINS = {"sft": sft.main, "opd": opd.main,
+         "rl": lambda argv: rl.main(argv, reward_fn=lambda rollout, row: float(rollout.sample_index == 0))}
+runs.run_script(lambda argv: MAINS[sys.argv[1]](argv[1:]))
