@@ -351,7 +351,7 @@ def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
 
 @pytest.mark.parametrize("device", DEVICES)  # on CUDA: training, evaluation and drift there in bf16
 def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, data_dir, tmp_path, device):
-    """The README's way to follow forgetting over training: snapshots, then evaluate.py and
+    """docs/toy-study-earlier.md's way to follow forgetting over training: snapshots, then evaluate.py and
     drift.py on snapshots/step-*, then a table of them."""
     import glob
     import sft
