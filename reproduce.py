@@ -79,8 +79,7 @@ PRESETS = {
         train={"sft": ["--train-limit", "1000"],
                "sft-mild": ["--lr", "1e-3"],
                "sft-stress": ["--lr", "5e-3"],
-               # lr by the training reward of three seeds: 3e-4 gave a mean of 0.428 to 0.432, 1e-3 0.384 to
-               # 0.407, and 3e-3 collapsed (README, toy study)
+               # lr chosen by RL's training reward over three seeds (docs/toy-study-earlier.md)
                "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96", "--lr", "3e-4",
                       "--warmup", "0.05"],
                "opd": ["--steps", "60", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "1e-3"]},
