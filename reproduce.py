@@ -145,6 +145,9 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
     runs.add_model_args(p, model_help="base model (default: the preset's)")
     args = p.parse_args(argv)
+    if runs.WORLD > 1:  # every process would run the whole study and write the same files
+        raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's scripts one by one "
+                              "(README: More than one GPU)")
     preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
     with runs.holding(out):  # a second reproduce.py in the same folder would train the same runs at once

@@ -125,3 +125,7 @@ def test_a_batch_that_does_not_split_over_the_processes_is_one_line(tiny_model, 
     assert r.returncode != 0
     assert "error: --prompts-per-step 1 does not split evenly over 2 processes; pass a multiple of 2" in r.stderr
     assert not os.path.exists(tmp_path / "rl")  # nothing that looks like a run is left
+    monkeypatch.setattr(runs, "WORLD", 2)
+    import reproduce
+    with pytest.raises(runs.InputError, match="reproduce.py runs in one process; under torchrun, run the study's"):
+        reproduce.main(["--out", str(tmp_path / "study")])
