@@ -180,12 +180,13 @@ RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE",
 def join_processes(device):
     """Join torchrun's process group (NCCL on CUDA, gloo on the CPU); returns the device this
     process runs on, on CUDA its own GPU."""
-    if WORLD == 1 or dist.is_initialized():
+    if WORLD == 1:
         return device
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return device
 
 
