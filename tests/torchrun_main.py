@@ -7,6 +7,7 @@ fails there.
 import os
 import signal
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
@@ -22,6 +23,7 @@ batch_indices = data.batch_indices
 def batch_indices_then_signal(n, step, *args):
     if step == stop_at and runs.RANK == 0:
         os.kill(os.getppid(), signal.SIGTERM)  # torchrun passes it on to every process
+        time.sleep(2)  # before this step ends, however fast: a scheduler's signal comes amid a step
     if step == fail_at and runs.RANK == 1:
         raise RuntimeError(f"process 1 failed at step {step + 1}")
     return batch_indices(n, step, *args)
