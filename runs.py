@@ -548,11 +548,11 @@ class RunFolder:
                              f"--out for a new folder, or delete {folder} to train it again")
         if args.resume and not has_checkpoint:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
-        if not args.resume:  # what a run killed before its first checkpoint left
-            for leftover in (self.log_path, os.path.join(folder, "run.json")) if not RANK else ():
-                if os.path.isfile(leftover):
-                    os.remove(leftover)
-            if not RANK:
+        if not args.resume:
+            if not RANK:  # what a run killed before its first checkpoint left; under torchrun one process removes it
+                for leftover in (self.log_path, os.path.join(folder, "run.json")):
+                    if os.path.isfile(leftover):
+                        os.remove(leftover)
                 shutil.rmtree(self.snapshots, ignore_errors=True)
             return
         check_same_base(folder, args.model)
@@ -649,10 +649,8 @@ class RunFolder:
     def end_step(self, model, optimizer, step, end):
         """After step `step` of a run ending at `end`: a snapshot every --snapshot-every steps, a
         checkpoint every --save-every steps, at the end, and where a stop was asked for."""
-        asked = self.stop_requested is not None
-        if WORLD > 1:  # under torchrun every process stops after the same step, where any was asked to
-            asked = summed(asked)[0] > 0
-        stopping = asked and step < end
+        # under torchrun every process stops after the same step, where any was asked to
+        stopping = summed(self.stop_requested is not None)[0] > 0 and step < end
         try:
             if self.args.snapshot_every and step % self.args.snapshot_every == 0:
                 self.snapshot(model, step)
@@ -664,8 +662,8 @@ class RunFolder:
                     "start the run again")
             raise InputError(f"could not write step {step}'s adapter to {self.folder} ({e.strerror or e}); {left}") from None
         if stopping:
-            raise SystemExit(f"stopped by {self.stop_requested or 'a signal'} after step {step} of {end}, its checkpoint written to "
-                             f"{self.ckpt}; continue with --resume (reproduce.py resumes by itself)")
+            raise SystemExit(f"stopped by {self.stop_requested or 'a signal'} after step {step} of {end}, its checkpoint "
+                             f"written to {self.ckpt}; continue with --resume (reproduce.py resumes by itself)")
 
     def snapshot(self, model, step, name="default"):
         """The adapter after `step` steps in snapshots/step-<step>, with run.json and the log so
