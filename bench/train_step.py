@@ -20,22 +20,28 @@ from common import add_args, build, markdown, ours_on, peak_memory, race, random
 import lora  # noqa: E402  (common put the repository on the path)
 
 
+def adam_step(loss_fn, params):
+    """A training step: loss_fn(), backward, an AdamW step; returns the loss."""
+    optimizer = torch.optim.AdamW(params, lr=1e-4)
+
+    def step():
+        loss = loss_fn()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+    return step
+
+
 def our_step(model, ids, recompute, dropout):
     """An adapter on our model, and its training step as the scripts take it."""
     torch.manual_seed(0)
     lora.add_lora(model, 16, 32, dropout)
     model.train()
     model.recompute = recompute
-    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-4)
     sequences = ids.tolist()
-
-    def step():
-        loss = -runs.sequence_logprobs(model, sequences, [1] * len(sequences))[0].mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-    return step
+    return adam_step(lambda: -runs.sequence_logprobs(model, sequences, [1] * len(sequences))[0].mean(),
+                     lora.lora_parameters(model))
 
 
 def peft_step(ref, ids, dropout):
@@ -43,15 +49,7 @@ def peft_step(ref, ids, dropout):
     torch.manual_seed(0)
     model = get_peft_model(ref, LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=list(lora.TARGETS)))
     model.train()
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-
-    def step():
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
-    return step
+    return adam_step(lambda: model(input_ids=ids, labels=ids).loss, [p for p in model.parameters() if p.requires_grad])
 
 
 def rows_of(args, name, device):
