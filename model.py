@@ -159,6 +159,10 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd))
 
 
+def swiglu(gate, up):
+    return F.silu(gate) * up
+
+
 class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
@@ -166,8 +170,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+    def forward(self, x):  # with a gradient, backward recomputes silu(gate) instead of keeping it: cheap, less memory
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(checkpoint(swiglu, gate, up, use_reentrant=False) if torch.is_grad_enabled()
+                              else swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -248,24 +254,43 @@ class Qwen3(nn.Module):
         w = self.lm_head.weight
         return KVCache(self.config, batch_size, max_len, w.device, w.dtype)
 
-    def token_logprobs(self, hidden, targets, chunk_size=256):
+    def token_logprobs(self, hidden, targets, chunk_logits=2 ** 24):
         """log p(target | state) in fp32 for final hidden states (N, hidden) and targets (N,).
         Qwen3's output layer has 151,936 columns, so (N, vocab) fp32 logits would take
-        gigabytes: a chunk of states at a time (chunked), never all of them."""
-        return chunked(self._logprobs, chunk_size, hidden, targets)
-
-    def _logprobs(self, h, t):
-        logits = self.lm_head(h).float()
-        return logits.gather(-1, t[:, None]).squeeze(-1) - logits.logsumexp(-1)
+        gigabytes: chunk_logits of them at a time (64 MiB, 110 states), never all."""
+        rows = max(1, chunk_logits // self.config.vocab_size)
+        return TokenLogprobs.apply(hidden, self.lm_head.weight, targets, rows)
 
 
-def chunked(fn, chunk_size, *tensors):
-    """torch.cat of fn over chunks of rows of the tensors; with a gradient, each chunk runs
-    under checkpoint, which keeps only its inputs and recomputes the rest in backward."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    parts = [checkpoint(fn, *xs, use_reentrant=False) if grad else fn(*xs)
-             for xs in zip(*(t.split(chunk_size) for t in tensors))]
-    return torch.cat(parts) if parts else tensors[0].new_zeros(0, dtype=torch.float32)
+class TokenLogprobs(torch.autograd.Function):
+    """logits[target] - logsumexp(logits) in fp32, logits = hidden @ weight.T, chunk rows at a time.
+    Backward recomputes a chunk's logits and turns them in place into their gradient, grad *
+    (onehot(target) - softmax): it holds one (chunk, vocab) fp32 tensor, autograd's form several."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk):
+        picked = hidden.new_empty(len(hidden), dtype=torch.float32)
+        lse = torch.empty_like(picked)
+        for c in (slice(i, i + chunk) for i in range(0, len(hidden), chunk)):
+            logits = F.linear(hidden[c], weight).float()
+            picked[c], lse[c] = logits.gather(-1, targets[c, None]).squeeze(-1), logits.logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk = chunk
+        return picked - lse
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        grad_hidden = torch.zeros_like(hidden)
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # toy.py trains the output layer
+        for c in (slice(i, i + ctx.chunk) for i in range(0, len(hidden), ctx.chunk)):
+            g = F.linear(hidden[c], weight).float().sub_(lse[c, None]).exp_()  # softmax
+            g.scatter_add_(-1, targets[c, None], -torch.ones_like(lse[c, None]))  # minus onehot(target)
+            g = g.mul_(-grad[c, None]).to(weight.dtype)
+            grad_hidden[c] = g @ weight
+            if grad_weight is not None:
+                grad_weight += g.T @ hidden[c]
+        return grad_hidden, grad_weight, None, None
 
 
 # -----------------------------------------------------------------------------

@@ -35,6 +35,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import data
@@ -98,7 +99,7 @@ def continuation_loss(student_logp):
 def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", chunk_size=256):
     """Per-state KL between the next-token distributions of student states (N, hidden), under
     the student's output layer, and teacher states, under teacher_head (the teacher's lm_head
-    weight): (N,) in fp32, a chunk of states at a time (model.chunked), as token_logprobs.
+    weight): (N,) in fp32, a chunk of states at a time (chunked), as token_logprobs.
     forward: KL(teacher || student); reverse: KL(student || teacher). Only the student's
     states get a gradient, formed in closed form: identical distributions then give exactly
     zero, not float noise that Adam would scale up into a full-size step."""
@@ -113,7 +114,16 @@ def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", c
             grad = p_s * (log_s - log_t - kl[:, None])
         surrogate = (grad.detach() * z).sum(-1)  # its gradient with respect to z is grad
         return kl.detach() + surrogate - surrogate.detach()
-    return M.chunked(chunk, chunk_size, student_h, teacher_h.detach())
+    return chunked(chunk, chunk_size, student_h, teacher_h.detach())
+
+
+def chunked(fn, chunk_size, *tensors):
+    """torch.cat of fn over chunks of rows of the tensors; with a gradient, each chunk runs
+    under checkpoint, which keeps only its inputs and recomputes the rest in backward."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    parts = [checkpoint(fn, *xs, use_reentrant=False) if grad else fn(*xs)
+             for xs in zip(*(t.split(chunk_size) for t in tensors))]
+    return torch.cat(parts) if parts else tensors[0].new_zeros(0, dtype=torch.float32)
 
 
 def logit_kl_loss(token_kl):
