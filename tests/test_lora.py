@@ -185,6 +185,7 @@ def test_adapters_that_are_not_plain_lora_of_this_base_are_one_line_errors(tiny_
         (damaged("rslora", use_rslora=True), "only plain LoRA"),
         (damaged("dora", use_dora=True), "only plain LoRA"),
         (damaged("ia3", peft_type="IA3"), "only plain LoRA"),
+        (damaged("lm_head", target_modules=[*config["target_modules"], "lm_head"]), "LoRA on lm_head is not supported"),
     ]
     cut_short = damaged("cut_short")
     (tmp_path / "cut_short" / "adapter_model.safetensors").write_bytes(
