@@ -38,9 +38,13 @@ def assert_same_adapter(a, b):
     assert any(a[k].abs().max() > 0 for k in a if "lora_B" in k)  # it did train
 
 
+# RL and OPD take one step: a second one samples from weights that the two runs hold equal
+# only to float rounding, and Adam's first step blows that up in the rare entry whose
+# gradient is near zero, enough to move a sampled token across a boundary now and then.
+# That the processes stay in step is checked at every step, to the bit (torchrun_main.py).
 FLAGS = {"sft": ["--train-limit", 16, "--batch-size", 4, "--lora-dropout", 0, "--max-steps", 2],
-         "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--steps", 2, "--lr", 1e-3],
-         "opd": ["--teacher", "TEACHER", "--prompts-per-step", 2, "--max-new-tokens", 6, "--steps", 2,
+         "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--steps", 1, "--lr", 1e-3],
+         "opd": ["--teacher", "TEACHER", "--prompts-per-step", 2, "--max-new-tokens", 6, "--steps", 1,
                  "--continuation-tokens", 4, "--lr", 1e-3]}
 
 
@@ -52,7 +56,8 @@ def test_two_processes_make_the_update_one_makes(tiny_model, data_dir, tmp_path,
     assert r.returncode == 0, r.stderr[-3000:]
     assert_same_adapter(tmp_path / "one", tmp_path / "two")
     one, two = read_log(tmp_path / "one"), read_log(tmp_path / "two")  # written once, by one process
-    assert [x["step"] for x in two] == [1, 2] and [x["tokens"] for x in one] == [x["tokens"] for x in two]
+    assert [x["step"] for x in two] == list(range(1, len(one) + 1)) and len(one) == (2 if script == "sft" else 1)
+    assert [x["tokens"] for x in one] == [x["tokens"] for x in two]
     for key in ("reward", "completion_len"):  # the same rollouts, sampled half by each process
         assert [x.get(key) for x in one] == [x.get(key) for x in two]
     for key in ("loss", "state_nll", "grad_norm"):

@@ -1,6 +1,7 @@
 """A training script's main as the distributed tests launch it under torchrun: rl.py rewards
 each prompt's first sample (a random model's answers are never right, so it would have
-nothing to learn); with $STOP_AT_STEP the writing process sends SIGTERM to torchrun amid
+nothing to learn); after every optimizer step the processes compare their trained weights
+and fail unless they are equal to the bit; with $STOP_AT_STEP the writing process sends SIGTERM to torchrun amid
 that step, as a cluster's scheduler does to a job, and with $FAIL_AT_STEP the other one
 fails there.
     torchrun --standalone --nproc-per-node 2 tests/torchrun_main.py rl --model ... --out ..."""
@@ -8,6 +9,9 @@ import os
 import signal
 import sys
 import time
+
+import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
@@ -29,7 +33,18 @@ def batch_indices_then_signal(n, step, *args):
     return batch_indices(n, step, *args)
 
 
-data.batch_indices = batch_indices_then_signal
+def optimizer_step_then_compare(optimizer, step, *args):
+    result = optimizer_step(optimizer, step, *args)
+    mine = torch.cat([p.detach().flatten() for group in optimizer.param_groups for p in group["params"]])
+    everyone = [torch.empty_like(mine) for _ in range(runs.WORLD)]
+    dist.all_gather(everyone, mine)
+    if not all(torch.equal(mine, theirs) for theirs in everyone):
+        raise RuntimeError(f"the processes' trained weights differ after step {step + 1}")
+    return result
+
+
+data.batch_indices, optimizer_step = batch_indices_then_signal, runs.optimizer_step
+runs.optimizer_step = optimizer_step_then_compare
 MAINS = {"sft": sft.main, "opd": opd.main,
          "rl": lambda argv: rl.main(argv, reward_fn=lambda rollout, row: float(rollout.sample_index == 0))}
 runs.run_script(lambda argv: MAINS[sys.argv[1]](argv[1:]))
