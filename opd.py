@@ -96,10 +96,10 @@ def continuation_loss(student_logp):
     return -student_logp.mean(), dict(tokens=student_logp.numel())
 
 
-def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", chunk_size=256):
+def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", chunk_logits=2 ** 24):
     """Per-state KL between the next-token distributions of student states (N, hidden), under
     the student's output layer, and teacher states, under teacher_head (the teacher's lm_head
-    weight): (N,) in fp32, a chunk of states at a time (chunked), as token_logprobs.
+    weight): (N,) in fp32, chunk_logits logits at a time (chunked), as model.token_logprobs.
     forward: KL(teacher || student); reverse: KL(student || teacher). Only the student's
     states get a gradient, formed in closed form: identical distributions then give exactly
     zero, not float noise that Adam would scale up into a full-size step."""
@@ -114,7 +114,7 @@ def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", c
             grad = p_s * (log_s - log_t - kl[:, None])
         surrogate = (grad.detach() * z).sum(-1)  # its gradient with respect to z is grad
         return kl.detach() + surrogate - surrogate.detach()
-    return chunked(chunk, chunk_size, student_h, teacher_h.detach())
+    return chunked(chunk, max(1, chunk_logits // student.config.vocab_size), student_h, teacher_h.detach())
 
 
 def chunked(fn, chunk_size, *tensors):

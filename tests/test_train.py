@@ -282,6 +282,25 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
     holder.kill()
     holder.wait()
 
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_opd_token_kl_and_its_gradient_equal_the_plain_formula(tiny_model, direction):
+    student, _ = M.load(tiny_model)
+    g = torch.Generator().manual_seed(0)
+    hidden, vocab = student.config.hidden_size, student.config.vocab_size
+    student_h, teacher_h = torch.randn(7, hidden, generator=g), torch.randn(7, hidden, generator=g)
+    teacher_head = student.lm_head.weight + 0.5 * torch.randn(student.lm_head.weight.shape, generator=g)
+    h1, h2 = student_h.clone().requires_grad_(True), student_h.clone().requires_grad_(True)
+    got = opd.token_kl(student, h1, teacher_h, teacher_head, direction, chunk_logits=3 * vocab)  # uneven chunks
+    log_s, log_t = student.lm_head(h2).log_softmax(-1), (teacher_h @ teacher_head.T).log_softmax(-1)
+    p, log_p, log_q = (log_t.exp(), log_t, log_s) if direction == "forward" else (log_s.exp(), log_s, log_t)
+    expected = (p * (log_p - log_q)).sum(-1)  # KL(p || q) as autograd differentiates it
+    assert expected.min() > 0.01 and torch.allclose(got, expected, atol=1e-6)
+    weights = torch.linspace(-1.0, 2.0, 7)
+    (got * weights).sum().backward()
+    (expected * weights).sum().backward()
+    assert torch.allclose(h1.grad, h2.grad, atol=1e-6)
+
+
 @pytest.mark.parametrize("split", [[], ["--micro-batch-tokens", 1]])  # one pass a step, a pass a sequence
 def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_dir, tmp_path, split):
     out = tmp_path / "opd"
