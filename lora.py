@@ -71,7 +71,7 @@ def lora_layers(model):
 def add_lora(model, rank=16, alpha=32, dropout=0.0, targets=TARGETS, name="default", activate=True):
     """Add a fresh adapter `name` to the targeted linear layers of every block (wrapping them
     in LoRALinear the first time); afterwards only that adapter's parameters train."""
-    if "lm_head" in targets:  # model.TokenLogprobs and the sampler read its weight, not a layer's output
+    if "lm_head" in targets:  # model.TokenLogprobs reads its weight, not its output: the trainer would miss it
         raise InputError(f"LoRA on lm_head is not supported; use an adapter of the blocks' linear layers "
                          f"({', '.join(TARGETS)})")
     for module in list(model.modules()):
