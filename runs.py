@@ -187,6 +187,9 @@ def join_processes(device):
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # left for the interpreter's own teardown, gloo's threads can abort the process (SIGABRT)
+        # after a run has finished, which torchrun then reports as a failure
+        atexit.register(dist.destroy_process_group)
     return device
 
 

@@ -77,6 +77,23 @@ def test_a_sigterm_to_torchrun_stops_both_after_one_step_and_resume_continues_th
     assert [x["step"] for x in read_log(tmp_path / "two")] == [1, 2, 3, 4] and runs.run_finished(tmp_path / "two")
 
 
+def test_the_process_group_is_taken_down_before_the_interpreter_exits():
+    """Left to the interpreter's teardown, gloo's threads now and then abort a finished run
+    (SIGABRT, "terminate called without an active exception"), which torchrun reports as a
+    failure: join_processes has the group destroyed at exit, before a handler registered
+    earlier runs."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = ("import atexit, sys, torch, torch.distributed as dist; sys.path.insert(0, sys.argv[1]); import runs; "
+            "atexit.register(lambda: print('joined' if dist.is_initialized() else 'left', flush=True)); "
+            "runs.WORLD = 2; runs.join_processes(torch.device('cpu')); dist.all_reduce(torch.ones(1))")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
+    r = subprocess.run([sys.executable, "-c", code, ROOT], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split()[-1:] == ["left"], r.stdout + r.stderr[-2000:]
+
+
 def test_a_process_that_fails_ends_the_other_with_its_error(tiny_model, data_dir, tmp_path):
     start = time.time()
     r = launch("sft", *common(tiny_model, data_dir, tmp_path / "run", *FLAGS["sft"]), FAIL_AT_STEP=1)
