@@ -282,6 +282,7 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
     holder.kill()
     holder.wait()
 
+
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 def test_opd_token_kl_and_its_gradient_equal_the_plain_formula(tiny_model, direction):
     student, _ = M.load(tiny_model)

@@ -1,9 +1,9 @@
 """A training script's main as the distributed tests launch it under torchrun: rl.py rewards
 each prompt's first sample (a random model's answers are never right, so it would have
 nothing to learn); after every optimizer step the processes compare their trained weights
-and fail unless they are equal to the bit; with $STOP_AT_STEP the writing process sends SIGTERM to torchrun amid
-that step, as a cluster's scheduler does to a job, and with $FAIL_AT_STEP the other one
-fails there.
+and fail unless they are equal to the bit; with $STOP_AT_STEP the writing process sends
+SIGTERM to torchrun amid that step, as a cluster's scheduler does to a job, and with
+$FAIL_AT_STEP the other one fails there.
     torchrun --standalone --nproc-per-node 2 tests/torchrun_main.py rl --model ... --out ..."""
 import os
 import signal
@@ -21,7 +21,7 @@ import runs  # noqa: E402
 import sft  # noqa: E402
 
 stop_at, fail_at = int(os.environ.get("STOP_AT_STEP", "-1")), int(os.environ.get("FAIL_AT_STEP", "-1"))
-batch_indices = data.batch_indices
+batch_indices, optimizer_step = data.batch_indices, runs.optimizer_step  # the scripts' own
 
 
 def batch_indices_then_signal(n, step, *args):
@@ -43,8 +43,7 @@ def optimizer_step_then_compare(optimizer, step, *args):
     return result
 
 
-data.batch_indices, optimizer_step = batch_indices_then_signal, runs.optimizer_step
-runs.optimizer_step = optimizer_step_then_compare
+data.batch_indices, runs.optimizer_step = batch_indices_then_signal, optimizer_step_then_compare
 MAINS = {"sft": sft.main, "opd": opd.main,
          "rl": lambda argv: rl.main(argv, reward_fn=lambda rollout, row: float(rollout.sample_index == 0))}
 runs.run_script(lambda argv: MAINS[sys.argv[1]](argv[1:]))
