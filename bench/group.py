@@ -10,6 +10,7 @@ runs in a process of its own: transformers' 64-row prefill alone can take most o
 
     python bench/group.py
     python bench/group.py --dtypes bf16 --new-tokens 32
+    python bench/group.py --config out/toy/base-model --dtypes fp32   # the toy study's shape
 """
 import argparse
 import subprocess
