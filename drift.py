@@ -42,15 +42,13 @@ import zlib
 import torch
 from tqdm import tqdm
 
+import cli
 import data
 import lora
 import model as M
 import runs
 from sample import generate, left_pad
 
-# written into drift.json: a file that names another estimator (or none, as before the
-# paired one) holds numbers this code would not give, and reproduce.py measures it again
-ESTIMATOR = "paired by prompt, unpaired beside"
 ROUNDING = 1e-12  # MMD^2 values this close count as equal (float64 sums over up to ~10^7 kernel entries)
 
 WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
@@ -205,12 +203,12 @@ def rollout_states(rollouts, stride):
 
 
 def collect(model, tok, prompts, args):
-    first, last = runs.split(len(prompts))  # under torchrun, each process rolls out its share of the prompts
+    first, last = cli.split(len(prompts))  # under torchrun, each process rolls out its share of the prompts
     rollouts = generate(model, tok, prompts[first:last], max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, stop=data.GSM8K_STOP, seed=args.seed + first, progress=True)
     for r in rollouts:
         r.prompt_index += first
-    rollouts = runs.joined(rollouts)
+    rollouts = cli.joined(rollouts)
     states, prompt_lengths, prompts = rollout_states(rollouts, args.stride)
     return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts, texts=[r.text for r in rollouts])
 
@@ -230,49 +228,68 @@ def featurize(model, tok, rollout_set, kind, embed="state"):
     return hidden_features(model, states, starts=starts), prompts
 
 
-# the flags that decide a drift.json's rollouts and features: two runs' drifts compare
-# only when these agree (evaluate.check_comparable)
-SAME_COLUMN = ("features", "embed", "prompts", "max_new_tokens", "temperature", "stride", "seed")
+# the flags that decide a drift.json's rollouts and features
+COLUMN_FLAGS = ("features", "embed", "prompts", "max_new_tokens", "temperature", "stride", "seed")
 
 
-def setting(result, flag):
-    """A drift.json's value of flag (features and embed stand beside the numbers, the rest
-    under settings); None where it has none."""
-    return result.get(flag, result.get("settings", {}).get(flag))
+def fingerprint(args, adapter_sha256):
+    """What decides a drift number: the model, the adapter and COLUMN_FLAGS. Two runs' drifts
+    compare only where these agree but for the adapter (results.check_fingerprints)."""
+    return dict(model=runs.model_identity(args.model), adapter_sha256=adapter_sha256,
+                **{f: getattr(args, f) for f in COLUMN_FLAGS})
 
 
-def current(run, args=None):
-    """Whether the run folder holds a drift.json from this code's estimator, of the adapter
-    it holds now (one written before drift.json recorded its adapter counts as that) and,
-    given args (drift.py's flags), measured with the settings they give (SAME_COLUMN)."""
+def done(run, args):
+    """Whether the run folder holds a drift.json of the adapter there now, measured with args'
+    flags (reproduce.py measures again what is not)."""
     path = os.path.join(run, "drift.json")
-    if not os.path.isfile(path):
-        return False
-    result = M.read_json(path)
-    if args is not None and any(setting(result, flag) not in (None, getattr(args, flag)) for flag in SAME_COLUMN):
-        return False
-    return result.get("estimator") == ESTIMATOR and result.get("adapter_sha256") in (None, lora.adapter_sha256(run))
+    return os.path.isfile(path) and runs.first_difference(
+        M.read_json(path).get("fingerprint", {}), fingerprint(args, lora.adapter_sha256(run))) is None
 
 
 def add_drift_args(p):
-    p.add_argument("--prompts", type=runs.number(int, 2, why="MMD^2 compares states of different prompts"), default=200,
+    p.add_argument("--prompts", type=cli.number(int, 2, why="MMD^2 compares states of different prompts"), default=200,
                    help="first N GSM8K test questions as the fixed prompt set")
-    p.add_argument("--max-new-tokens", type=runs.number(int, 1), default=256, help="longest rollout")
-    p.add_argument("--temperature", type=runs.number(float, 0), default=1.0, help="rollout temperature")
-    p.add_argument("--stride", type=runs.number(int, 1), default=16, help="take a prefix state every N generated tokens")
+    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="longest rollout")
+    p.add_argument("--temperature", type=cli.number(float, 0), default=1.0, help="rollout temperature")
+    p.add_argument("--stride", type=cli.number(int, 1), default=16, help="take a prefix state every N generated tokens")
     p.add_argument("--features", choices=["lexical", "hidden"], default="lexical", help="state embedding")
     p.add_argument("--embed", choices=["state", "generated"], default="state",
                    help="embed the whole state (x, y_<t), or only its generated part y_<t")
-    p.add_argument("--permutations", type=runs.number(int, 1), default=200, help="permutations for the MMD p-value")
-    p.add_argument("--projections", type=runs.number(int, 1), default=64,
+    p.add_argument("--permutations", type=cli.number(int, 1), default=200, help="permutations for the MMD p-value")
+    p.add_argument("--projections", type=cli.number(int, 1), default=64,
                    help="random directions of the sliced Wasserstein distance")
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
+
+
+def base_rollouts(model, tok, prompts, args):
+    """The base model's rollouts of the prompts, cached in --out's drift_base.json for the runs
+    measured later: a cache serves only rollouts of the same prompts (another --data-dir has
+    others) taken with the same numbers, since another dtype or device rounds differently and
+    the paired estimator would count that as a run's drift."""
+    settings = {k: getattr(args, k) for k in ("model", "prompts", "max_new_tokens", "temperature", "stride", "seed")}
+    weight = model.lm_head.weight
+    settings.update(device=weight.device.type, dtype=str(weight.dtype).removeprefix("torch."),
+                    prompts_sha256=hashlib.sha256("\0".join(prompts).encode()).hexdigest())
+    cache_path = os.path.join(args.out, "drift_base.json")
+    try:  # a cache: one damaged is made again
+        base = M.read_json(cache_path) if os.path.isfile(cache_path) else None
+    except M.InputError:
+        base = None
+    if base is None or base["settings"] != settings or "prompts" not in base:
+        lora.set_adapter(model, None)
+        model.eval()
+        base = dict(settings=settings, **collect(model, tok, prompts, args))
+        if not cli.RANK:  # under torchrun, one process writes
+            os.makedirs(args.out, exist_ok=True)
+            M.write_json(cache_path, base)
+    return base
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders to compare with the base model")
-    runs.add_model_args(p)
+    cli.add_model_args(p)
     p.add_argument("--out", default=None, help="the study folder, where the base rollouts are cached (drift_base.json; "
                                                "default: the folder holding the first run folder)")
     p.add_argument("--save-as", default="drift.json",
@@ -286,32 +303,13 @@ def main(argv=None):
     for run in args.runs:
         runs.check_run_folder(run, args.model)
     print(vars(args))
-    model, tok = M.load(args.model, *runs.device_from_args(args))
+    model, tok = M.load(args.model, *cli.device_from_args(args))
     test = data.load_gsm8k("test", args.data_dir)
     if args.prompts > len(test):  # fewer prompts than asked, silently, and a --prompts in drift.json that was not so
         raise M.InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} questions; "
                            f"pass --prompts {len(test)} or fewer")
     prompts = [data.gsm8k_prompt(r["question"]) for r in test[:args.prompts]]
-    settings = {k: getattr(args, k) for k in ("model", "prompts", "max_new_tokens", "temperature", "stride", "seed")}
-    # the cached base rollouts serve only rollouts of the same prompts (another --data-dir has
-    # others) taken with the same numbers: another dtype or device rounds differently, and the
-    # paired estimator would count that as the run's drift
-    weight = model.lm_head.weight
-    settings.update(device=weight.device.type, dtype=str(weight.dtype).removeprefix("torch."),
-                    prompts_sha256=hashlib.sha256("\0".join(prompts).encode()).hexdigest())
-
-    cache_path = os.path.join(args.out, "drift_base.json")
-    try:  # a cache: one damaged is made again
-        base = M.read_json(cache_path) if os.path.isfile(cache_path) else None
-    except M.InputError:
-        base = None
-    if base is None or base["settings"] != settings or "prompts" not in base:
-        lora.set_adapter(model, None)
-        model.eval()
-        base = dict(settings=settings, **collect(model, tok, prompts, args))
-        if not runs.RANK:  # under torchrun, one process writes
-            os.makedirs(args.out, exist_ok=True)
-            M.write_json(cache_path, base)
+    base = base_rollouts(model, tok, prompts, args)
     X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
 
@@ -323,16 +321,16 @@ def main(argv=None):
         mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts, y_prompts)
         unpaired, unpaired_p = mmd2_test(X, Y, bandwidth, args.permutations, args.seed)
         result = dict(mmd2=mmd2, mmd=max(mmd2, 0.0) ** 0.5, p_value=p_value, mmd2_unpaired=unpaired,
-                      p_value_unpaired=unpaired_p, estimator=ESTIMATOR, bandwidth=bandwidth, features=args.features,
+                      p_value_unpaired=unpaired_p, bandwidth=bandwidth, features=args.features,
                       embed=args.embed, centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
-                      n_states_base=len(X), n_states_run=len(Y), settings=settings,
-                      adapter_sha256=model.lora_config[f"run{i}"]["sha256"])
-        if not runs.RANK:
+                      n_states_base=len(X), n_states_run=len(Y), settings=base["settings"],
+                      fingerprint=fingerprint(args, model.lora_config[f"run{i}"]["sha256"]))
+        if not cli.RANK:
             M.write_json(os.path.join(run, args.save_as), result)
         print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))
 
 
 if __name__ == "__main__":
-    runs.run_script(main)
+    cli.run_script(main)

@@ -23,7 +23,7 @@ DEFAULT_MODEL = "Qwen/Qwen3-0.6B-Base"
 
 class InputError(ValueError):
     """A mistake in what the user passed, not in the code: its message names the problem and
-    the fix, and a script ends with that one line instead of a traceback (runs.run_script)."""
+    the fix, and a script ends with that one line instead of a traceback (cli.run_script)."""
 
 
 # -----------------------------------------------------------------------------

@@ -26,11 +26,13 @@ import time
 
 import torch
 
+import cli
 import data
 import drift
 import evaluate
 import model as M
 import opd
+import results
 import rl
 import runs
 import sft
@@ -79,7 +81,7 @@ PRESETS = {
         train={"sft": ["--train-limit", "1000"],
                "sft-mild": ["--lr", "1e-3"],
                "sft-stress": ["--lr", "5e-3"],
-               # lr chosen by RL's training reward over three seeds (docs/toy-study-earlier.md)
+               # lr chosen by RL's training reward over three seeds (docs/history/earlier.md)
                "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96", "--lr", "3e-4",
                       "--warmup", "0.05"],
                "opd": ["--steps", "60", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "1e-3"]},
@@ -140,12 +142,12 @@ class Stages:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="toy", help="which study to run")
-    p.add_argument("--seeds", type=runs.number(int, 1), default=1,
+    p.add_argument("--seeds", type=cli.number(int, 1), default=1,
                    help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
-    runs.add_model_args(p, model_help="base model (default: the preset's)")
+    cli.add_model_args(p, model_help="base model (default: the preset's)")
     args = p.parse_args(argv)
-    if runs.WORLD > 1:  # every process would run the whole study and write the same files
+    if cli.WORLD > 1:  # every process would run the whole study and write the same files
         raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's scripts one by one "
                               "(README: More than one GPU)")
     preset = PRESETS[args.preset]
@@ -157,7 +159,7 @@ def main(argv=None):
 def study(args, preset, out):
     """Every stage of the preset in out, each skipped when its outputs are there (main)."""
     print(vars(args))
-    if args.preset == "paper" and runs.resolve_device(args.device)[0].type == "cpu":
+    if args.preset == "paper" and cli.resolve_device(args.device)[0].type == "cpu":
         print("note: the paper preset is meant for a GPU, and would take days on a CPU; --preset toy is the study at "
               "CPU scale")
     if preset["model"] == "toy":  # the world is the dataset: build (or reuse) it and its pretrained base
@@ -175,16 +177,15 @@ def study(args, preset, out):
     stages = Stages(out)
     # the preset's evaluation and drift flags: a result measured otherwise (by hand) is measured again
     eval_flags, drift_flags = argparse.ArgumentParser(), argparse.ArgumentParser()
-    runs.add_model_args(eval_flags)
-    evaluate.add_eval_args(eval_flags)
-    drift.add_drift_args(drift_flags)
+    for flags, add in ((eval_flags, evaluate.add_eval_args), (drift_flags, drift.add_drift_args)):
+        cli.add_model_args(flags), add(flags)
     eval_flags = eval_flags.parse_args(["--model", model, *preset["eval"]])
-    drift_flags = drift_flags.parse_args(preset["drift"])
+    drift_flags = drift_flags.parse_args(["--model", model, *preset["drift"]])
 
-    stages.run("evaluate base", evaluate.current(out, eval_flags),
+    stages.run("evaluate base", evaluate.done(out, eval_flags),
                lambda: evaluate.main(["base", "--out", out, *common, *device, *preset["eval"]]))
     if args.preset == "toy":
-        check_base(evaluate.read_json(os.path.join(out, "eval.json")))
+        check_base(M.read_json(os.path.join(out, "eval.json")))
     conditions = {k: v for seed in range(args.seeds) for k, v in runs_of(out, seed).items()}
     for name, (script, extra) in conditions.items():
         folder = os.path.join(out, name)
@@ -194,35 +195,34 @@ def study(args, preset, out):
                 *preset["train"].get(variant, []), *resume]
         finished = runs.run_finished(folder)
         if finished:  # it stands in the table for this preset's run only if it is one
-            runs.check_same_base(folder, model)
-            if runs.teacher_changed(folder):
-                raise M.InputError(f"{folder} was distilled from an earlier adapter of its teacher than the one there now "
-                                   f"(trained again since); delete the folder to train it from the teacher there now, "
-                                   f"or pass another --out")
-            changed = runs.changed_settings(folder, PARSERS[script](argv), NOT_SETTINGS)
-            if changed:
-                raise M.InputError(f"{folder} was trained with other settings than the {args.preset} preset's now "
-                                   f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
+            check_finished(folder, model, PARSERS[script](argv), args.preset)
         stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
-        stages.run(f"evaluate {name}", evaluate.current(folder, eval_flags),
+        stages.run(f"evaluate {name}", evaluate.done(folder, eval_flags),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
-    missing = [os.path.join(out, n) for n in conditions if not drift.current(os.path.join(out, n), drift_flags)]
+    missing = [os.path.join(out, n) for n in conditions if not drift.done(os.path.join(out, n), drift_flags)]
     stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
 
-    table = evaluate.write_table(out)
-    rows = evaluate.table_rows(evaluate.collect_runs(out))
-    M.write_json(os.path.join(out, "results.json"), dict(preset=args.preset, model=model, rows=rows,
-                                                           drift_vs_forgetting=evaluate.drift_forgetting_correlations(rows),
-                                                           update_norm_vs_forgetting=evaluate.drift_forgetting_correlations(
-                                                               rows, "update_norm"),
-                                                           paper=evaluate.PAPER, timings=stages.timings))
-    plot(out, rows)
+    table = results.write_results(out, preset=args.preset, model=model, timings=stages.timings)
     print(table)
     print(f"time of each stage (s): {', '.join(f'{k} {v:.0f}' for k, v in stages.timings.items())}; in all "
           f"{sum(stages.timings.values()) / 60:.1f} minutes")
     if stages.ran == 0:
         print("every stage was already done; delete a run folder (or its eval.json / drift.json) to redo it")
     print(f"results in {os.path.join(out, 'results.md')} and results.json")
+
+
+def check_finished(folder, model, settings, preset):
+    """Stop unless the finished run in folder is the preset's run now: trained on this base,
+    from the teacher there now, with the settings the preset gives (settings: the parsed argv)."""
+    runs.check_same_base(folder, model)
+    if runs.teacher_changed(folder):
+        raise M.InputError(f"{folder} was distilled from an earlier adapter of its teacher than the one there now "
+                           f"(trained again since); delete the folder to train it from the teacher there now, "
+                           f"or pass another --out")
+    changed = runs.changed_settings(folder, settings, NOT_SETTINGS)
+    if changed:
+        raise M.InputError(f"{folder} was trained with other settings than the {preset} preset's now "
+                           f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
 
 
 def check_base(scores):
@@ -237,29 +237,5 @@ def check_base(scores):
                          f"--pretrain-steps or --target-problems in the toy preset and delete the base-model folder")
 
 
-def plot(out, rows):
-    """results.png when matplotlib is installed (it is optional, never required)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    points = [r for r in rows if r["run"] != "base" and r["gsm8k"] is not None and r["retention"] is not None]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for r in points:
-        a.scatter(r["retention"], r["gsm8k"])
-        a.annotate(r["run"], (r["retention"], r["gsm8k"]))
-        if r["mmd2"] is not None and r["forgetting"] is not None:
-            b.errorbar(r["mmd2"], r["forgetting"], yerr=r["forgetting_stderr"], fmt="o", capsize=3)
-            b.annotate(r["run"], (r["mmd2"], r["forgetting"]))
-    a.set(xlabel="mean retention ratio", ylabel="GSM8K accuracy", title="target vs retention")
-    b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting (bars: one standard error)",
-          title="drift vs forgetting (P4)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "results.png"), dpi=120)
-    plt.close(fig)
-
-
 if __name__ == "__main__":
-    runs.run_script(main)
+    cli.run_script(main)

@@ -6,7 +6,7 @@ s_t = (x, y_<t). SFT trains on states taken from a fixed dataset; RL and OPD tra
 states the current learner visits itself, and drift.py compares the states different
 models visit. All of them get those states from generate() below, so "on-policy" means
 one thing in this code base: tokens this function returned for the current weights, with
-the log-probs the training pass (model.sequence_logprobs) gives them.
+the log-probs the training pass (train.sequence_logprobs) gives them.
 
 Prompts are left-padded into one batch and prefilled once; a prompt's n samples copy its
 rows of the KV cache. Each sample draws its randomness from a generator of its own, so it

@@ -17,15 +17,12 @@ alpha 128). Any flag overrides its preset's value.
 """
 import argparse
 import math
-import time
 
-import torch
-from tqdm import tqdm
-
+import cli
 import data
-import lora
 import model as M
 import runs
+import train
 
 PRESETS = {
     "mild": dict(epochs=1, lr=1e-4, rank=16, alpha=32),
@@ -37,13 +34,13 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="mild", help="hyperparameter set; flags override it")
     p.add_argument("--out", default=None, help="run folder (default: out/<preset>)")
-    p.add_argument("--epochs", type=runs.number(float, 0, above=True), default=None, help="passes over the training set")
-    p.add_argument("--batch-size", type=runs.number(int, 1), default=16, help="sequences per optimizer step")
-    p.add_argument("--max-length", type=runs.number(int, 2), default=512,
+    p.add_argument("--epochs", type=cli.number(float, 0, above=True), default=None, help="passes over the training set")
+    p.add_argument("--batch-size", type=cli.number(int, 1), default=16, help="sequences per optimizer step")
+    p.add_argument("--max-length", type=cli.number(int, 2), default=512,
                    help="longest training sequence in tokens (longer ones are cut)")
-    p.add_argument("--train-limit", type=runs.number(int, 0), default=0,
+    p.add_argument("--train-limit", type=cli.number(int, 0), default=0,
                    help="use the first N GSM8K train examples (0 = all 7,473)")
-    runs.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
+    cli.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
     preset = p.parse_known_args(argv)[0].preset
     p.set_defaults(**PRESETS[preset])  # a flag given on the command line still wins
     args = p.parse_args(argv)
@@ -51,23 +48,12 @@ def parse_args(argv):
     return args
 
 
-def sft_loss(token_logprobs):
-    """(loss, metrics): mean NLL over the answer tokens given (the caller weighs each
-    micro-batch by its share of the step's tokens, so every token of a step weighs the same)."""
-    nll = -token_logprobs
-    return nll.mean(), dict(tokens=nll.numel())
-
-
 def main(argv=None):
     args = parse_args(argv)
-    runs.model_and_data_from(args, args.out if args.resume else None)
-    print(vars(args))
-    device, dtype = runs.device_from_args(args)
+    device, dtype = runs.resolve(args, args.out if args.resume else None)
     run = runs.RunFolder(args.out, args)
     model, tok = M.load(args.model, device, dtype)
-    torch.manual_seed(args.seed)  # the initial LoRA A matrices
-    lora.add_lora(model, args.rank, args.alpha, args.lora_dropout)
-    model.recompute = args.recompute
+    optimizer = train.adapter_and_optimizer(model, args)
 
     # the state source: (prompt, gold answer + end-of-text) pairs from the dataset
     rows = data.load_gsm8k("train", args.data_dir)
@@ -83,41 +69,25 @@ def main(argv=None):
     if len(kept) < len(examples):
         print(f"left out {len(examples) - len(kept)} of {len(examples)} examples whose prompt fills --max-length")
     examples = kept
-    steps_per_epoch = math.ceil(len(examples) / args.batch_size)
-    total = math.ceil(args.epochs * steps_per_epoch)  # the schedule's length; --max-steps only stops early
+    total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule; --max-steps stops early
     end = min(total, args.max_steps) if args.max_steps else total
 
-    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
-    start = run.resume(model, optimizer) if args.resume else 0
-    bar = tqdm(range(start, end), initial=start, total=end, desc="sft", disable=runs.RANK > 0)
-    with run.stop_between_steps():  # a stop signal ends the run after a whole step, saved
-        for step in bar:
-            t0 = time.time()
-            torch.manual_seed(args.seed * 1_000_003 + step)  # dropout; per step, so a resumed run matches
-            batch = [examples[i] for i in data.batch_indices(len(examples), step, args.batch_size, args.seed)]
-            n_tokens = sum(len(s) - p for s, p in batch)
-            batch = batch[slice(*runs.split(len(batch), "--batch-size"))]  # under torchrun, this process's share
+    for step in run.steps(model, optimizer, end, "sft"):
+        batch = [examples[i] for i in data.batch_indices(len(examples), step, args.batch_size, args.seed)]
+        batch = batch[slice(*cli.split(len(batch), "--batch-size"))]  # under torchrun, this process's share
+        sequences, starts = [s for s, _ in batch], [p for _, p in batch]
 
-            model.train()
-            loss_sum = 0.0
-            for part in runs.micro_batches([len(s) for s, _ in batch], args.grad_accum, args.micro_batch_tokens):
-                logp, _ = runs.sequence_logprobs(model, [batch[i][0] for i in part], [batch[i][1] for i in part],
-                                              tok.pad_id)
-                loss, _ = sft_loss(logp)
-                (loss * logp.numel() / n_tokens).backward()  # token-weighted over the whole step
-                loss_sum += loss.item() * logp.numel()
-            loss = runs.summed(loss_sum)[0] / n_tokens
-            run.check_finite(step + 1, loss)
-            lr, grad_norm = runs.optimizer_step(optimizer, step, total, args)
-
-            # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
-            run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss,
-                         lr=lr, grad_norm=grad_norm, tokens=n_tokens, seconds=time.time() - t0))
-            bar.set_postfix(loss=f"{loss:.4f}")
-            run.end_step(model, optimizer, step + 1, end)
-    run.finish(end)
+        # the signal: the gold next token at every state of the answer
+        model.train()
+        loss, _, n_tokens = train.backward(lambda seqs, sts, _: train.token_nll(
+            train.sequence_logprobs(model, seqs, sts, tok.pad_id)[0]), sequences, starts, args)
+        run.check_finite(step + 1, loss)
+        lr, grad_norm = train.optimizer_step(optimizer, step, total, args)
+        # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
+        run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr,
+                     grad_norm=grad_norm, tokens=n_tokens))
     print(f"done: adapter in {args.out}")
 
 
 if __name__ == "__main__":
-    runs.run_script(main, runs.MEMORY_FIX)
+    cli.run_script(main, cli.MEMORY_FIX)

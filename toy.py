@@ -30,9 +30,11 @@ import time
 import torch
 from tqdm import tqdm
 
+import cli
 import data
 import model as M
 import runs
+import train
 
 NAMES = ["Ava", "Ben", "Cleo", "Dan", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jade", "Kai", "Lena", "Milo", "Nora",
          "Omar", "Pia", "Quinn", "Rosa", "Sam", "Tia", "Uma", "Vic", "Wes", "Yara", "Zed"]
@@ -245,7 +247,7 @@ def pretrain_in(data_dir, model_dir, args):
         starts = torch.randint(0, (len(stream) - 1) // args.context, (args.batch,), generator=g) * args.context
         x = torch.stack([stream[s:s + args.context + 1] for s in starts])
         for group in opt.param_groups:
-            group["lr"] = runs.lr_at(step, args.pretrain_steps, args.pretrain_lr, 0.05)
+            group["lr"] = train.lr_at(step, args.pretrain_steps, args.pretrain_lr, 0.05)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             h = net(x[:, :-1], hidden_only=True)
         loss = -net.token_logprobs(h.reshape(-1, h.shape[-1]).float(), x[:, 1:].reshape(-1)).mean()
@@ -265,19 +267,17 @@ def pretrain_in(data_dir, model_dir, args):
 
 def add_toy_args(p):
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=runs.number(int, 0), default=1300,
-                   help="target-task problems in the pretraining mix (disjoint from train and test)")
-    p.add_argument("--retention-repeats", type=runs.number(int, 1), default=2,
-                   help="copies of the retention corpus in the pretraining mix")
-    p.add_argument("--pretrain-steps", type=runs.number(int, 1), default=1100, help="pretraining steps")
-    p.add_argument("--pretrain-lr", type=runs.number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
-    p.add_argument("--batch", type=runs.number(int, 1), default=16, help="sequences per pretraining step")
-    p.add_argument("--context", type=runs.number(int, 2), default=256, help="pretraining sequence length")
-    p.add_argument("--vocab", type=runs.number(int, 257, why="byte-level BPE starts from the 256 bytes and the "
+    p.add_argument("--target-problems", type=cli.number(int, 0), default=1300, help="target problems to pretrain on")
+    p.add_argument("--retention-repeats", type=cli.number(int, 1), default=2, help="copies of the retention corpus")
+    p.add_argument("--pretrain-steps", type=cli.number(int, 1), default=1100, help="pretraining steps")
+    p.add_argument("--pretrain-lr", type=cli.number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
+    p.add_argument("--batch", type=cli.number(int, 1), default=16, help="sequences per pretraining step")
+    p.add_argument("--context", type=cli.number(int, 2), default=256, help="pretraining sequence length")
+    p.add_argument("--vocab", type=cli.number(int, 257, why="byte-level BPE starts from the 256 bytes and the "
                                                                "end-of-text token"), default=2048, help="BPE vocabulary")
-    p.add_argument("--hidden", type=runs.number(int, 2), default=256, help="hidden size")
-    p.add_argument("--layers", type=runs.number(int, 1), default=4, help="transformer blocks")
-    p.add_argument("--heads", type=runs.number(int, 2), default=4, help="attention heads (half as many key/value heads)")
+    p.add_argument("--hidden", type=cli.number(int, 2), default=256, help="hidden size")
+    p.add_argument("--layers", type=cli.number(int, 1), default=4, help="transformer blocks")
+    p.add_argument("--heads", type=cli.number(int, 2), default=4, help="attention heads (half as many key/value heads)")
     p.add_argument("--bf16", type=int, choices=[0, 1], default=None,
                    help="bf16 autocast in pretraining (default: 1 where the CPU has bf16 instructions, else 0)")
 
@@ -297,4 +297,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    runs.run_script(main)
+    cli.run_script(main)

@@ -11,8 +11,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import cli  # noqa: E402
 import model as M  # noqa: E402
-import runs  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "tests", "qwen3-0.6b-base")  # Qwen3-0.6B-Base's config.json
 
@@ -34,7 +34,7 @@ def add_args(p, dtypes="fp32,bf16"):
 
 
 def setup(args):
-    device, _ = runs.resolve_device(args.device)
+    device, _ = cli.resolve_device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     print(f"device {device} ({name}), torch {torch.__version__}", flush=True)
     return device

@@ -16,8 +16,9 @@ import argparse
 
 import torch
 
-from common import add_args, build, markdown, ours_on, peak_memory, race, random_ids, ratio, runs, setup
+from common import add_args, build, markdown, ours_on, peak_memory, race, random_ids, ratio, setup
 import lora  # noqa: E402  (common put the repository on the path)
+import train  # noqa: E402
 
 
 def adam_step(loss_fn, params):
@@ -40,7 +41,7 @@ def our_step(model, ids, recompute, dropout):
     model.train()
     model.recompute = recompute
     sequences = ids.tolist()
-    return adam_step(lambda: -runs.sequence_logprobs(model, sequences, [1] * len(sequences))[0].mean(),
+    return adam_step(lambda: -train.sequence_logprobs(model, sequences, [1] * len(sequences))[0].mean(),
                      lora.lora_parameters(model))
 
 

@@ -9,13 +9,17 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import data  # noqa: E402
+import opd  # noqa: E402
+import rl  # noqa: E402
+import sft  # noqa: E402
 
 # $STATES_DATA if set; else the offline copies beside the repository; else fetched once into the cache
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 DATA_DIR = os.environ.get("STATES_DATA") or (SHARED_DATA if os.path.isdir(SHARED_DATA) else None)
 OFFICIAL_CONFIG = os.path.join(ROOT, "tests", "qwen3-0.6b-base")  # Qwen3-0.6B-Base's own config.json
 
-# Whatever the machine, a script given no device runs on the CPU (runs.resolve_device reads
+# Whatever the machine, a script given no device runs on the CPU (cli.resolve_device reads
 # $STATES_DEVICE; scripts run as subprocesses inherit it), so the suite computes what it
 # computes in CI. The tests that take a device run on each device this machine has: where
 # a GPU is present, `pytest -k cuda` checks the path the scripts take there.
@@ -130,3 +134,48 @@ def tiny_model(tiny_models):
 @pytest.fixture
 def seeded():
     torch.manual_seed(0)
+
+
+# what every training test shares: a script's flags, its log and adapter
+# a random model's completions are never right: rl.py's runs in these tests reward each prompt's
+# first sample, so that every group has an advantage to learn from
+MAINS = {"sft": sft.main, "rl": lambda argv: rl.main(argv, reward_fn=lambda rollout, row: float(rollout.sample_index == 0)),
+         "opd": opd.main}
+
+
+def common(tiny_model, data_dir, out, *extra):
+    return ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(out), *map(str, extra)]
+
+
+def read_log(folder):
+    return [json.loads(l) for l in open(os.path.join(folder, "log.jsonl"))]
+
+
+def adapter_tensors(folder):
+    from safetensors.torch import load_file
+    return load_file(os.path.join(folder, "adapter_model.safetensors"))
+
+
+def write_fixed_answer_data(source, folder, answer, n=24):
+    """GSM8K-format data whose every answer is the same string."""
+    rows = data.load_gsm8k("train", source)[:n]
+    os.makedirs(os.path.join(folder, "gsm8k"), exist_ok=True)
+    for split in ("train", "test"):
+        with open(os.path.join(folder, "gsm8k", f"{split}.jsonl"), "w") as f:
+            for r in rows:
+                f.write(json.dumps({"question": r["question"], "answer": answer}) + "\n")
+    return folder
+
+
+def two_sequences(tok):
+    a = tok.encode("Question: Janet has 3 apples and buys 5 more. How many?\nAnswer:")
+    b = tok.encode("Question: 2 + 2?\nAnswer:")
+    return a, b
+
+
+def short_run(script, tiny_model):
+    """Flags for a four-step run of script that trains visibly (LoRA dropout on in sft)."""
+    return {"sft": ["--train-limit", 12, "--batch-size", 4, "--lora-dropout", 0.1, "--epochs", 2],
+            "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--steps", 4, "--lr", 1e-3],
+            "opd": ["--teacher", tiny_model, "--prompts-per-step", 2, "--max-new-tokens", 6, "--steps", 4,
+                    "--continuation-tokens", 4, "--lr", 1e-3]}[script]

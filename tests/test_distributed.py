@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
+import cli
 import drift
 import evaluate
 import runs
-from conftest import ROOT
-from test_train import MAINS, adapter_tensors, common, read_log
+from conftest import MAINS, ROOT, adapter_tensors, common, read_log
 
 
 def torchrun(*argv, **env):
@@ -86,12 +86,27 @@ def test_the_process_group_is_taken_down_before_the_interpreter_exits():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import atexit, sys, torch, torch.distributed as dist; sys.path.insert(0, sys.argv[1]); import runs; "
+    code = ("import atexit, sys, torch, torch.distributed as dist; sys.path.insert(0, sys.argv[1]); import cli; "
             "atexit.register(lambda: print('joined' if dist.is_initialized() else 'left', flush=True)); "
-            "runs.WORLD = 2; runs.join_processes(torch.device('cpu')); dist.all_reduce(torch.ones(1))")
+            "cli.WORLD = 2; cli.join_processes(torch.device('cpu')); dist.all_reduce(torch.ones(1))")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
     r = subprocess.run([sys.executable, "-c", code, ROOT], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split()[-1:] == ["left"], r.stdout + r.stderr[-2000:]
+
+
+def test_a_finished_run_exits_zero_on_every_process_under_load(tiny_model, data_dir, tmp_path):
+    """A finished process leaves before the interpreter's teardown, where gloo's threads now
+    and then abort it (SIGABRT after a run that trained all its steps, which torchrun reports
+    as a failure): here every process aborts if it gets there, and both cores are busy."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        r = launch("sft", *common(tiny_model, data_dir, tmp_path / "run", *FLAGS["sft"]), ABORT_IN_TEARDOWN=1)
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert runs.run_finished(tmp_path / "run") and [x["step"] for x in read_log(tmp_path / "run")] == [1, 2]
 
 
 def test_a_process_that_fails_ends_the_other_with_its_error(tiny_model, data_dir, tmp_path):
@@ -135,19 +150,19 @@ def flat(d, prefix=""):
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_one_line(tiny_model, data_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(runs, "WORLD", 2)
+    monkeypatch.setattr(cli, "WORLD", 2)
     with pytest.raises(runs.InputError, match="--prompts-per-step 3 does not split evenly over 2 processes; pass a "
                                               "multiple of 2, or run fewer processes"):
-        runs.split(3, "--prompts-per-step")
-    assert runs.split(5) == (0, 2)  # evaluation's batches need not split evenly
-    monkeypatch.setattr(runs, "RANK", 1)
-    assert runs.split(5) == (2, 5) and runs.split(4, "--batch-size") == (2, 4)
+        cli.split(3, "--prompts-per-step")
+    assert cli.split(5) == (0, 2)  # evaluation's batches need not split evenly
+    monkeypatch.setattr(cli, "RANK", 1)
+    assert cli.split(5) == (2, 5) and cli.split(4, "--batch-size") == (2, 4)
     monkeypatch.undo()
     r = launch("rl", *common(tiny_model, data_dir, tmp_path / "rl", *FLAGS["rl"][:1], 1, *FLAGS["rl"][2:]))
     assert r.returncode != 0
     assert "error: --prompts-per-step 1 does not split evenly over 2 processes; pass a multiple of 2" in r.stderr
     assert not os.path.exists(tmp_path / "rl")  # nothing that looks like a run is left
-    monkeypatch.setattr(runs, "WORLD", 2)
+    monkeypatch.setattr(cli, "WORLD", 2)
     import reproduce
     with pytest.raises(runs.InputError, match="reproduce.py runs in one process; under torchrun, run the study's"):
         reproduce.main(["--out", str(tmp_path / "study")])

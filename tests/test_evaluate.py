@@ -1,5 +1,4 @@
 import argparse
-import itertools
 import json
 import os
 import subprocess
@@ -13,6 +12,7 @@ import data
 import drift
 import evaluate as E
 import lora
+import results
 import model as M
 import runs
 from conftest import DEVICES, ROOT
@@ -87,9 +87,9 @@ def test_mc2_score():
 
 
 def test_retention_math_reproduces_table2():
-    base = E.PAPER["base"]
+    base = results.PAPER["base"]
     for run in ("mild", "stress", "opd-mild", "opd-stress", "rl"):
-        paper = E.PAPER[run]
+        paper = results.PAPER[run]
         r = E.retention({"truthfulqa": base["truthfulqa"], "mmlu": base["mmlu"]},
                         {"truthfulqa": paper["truthfulqa"], "mmlu": paper["mmlu"]})
         assert abs(r["forgetting"] - paper["forgetting"]) < 5e-4, run
@@ -126,85 +126,37 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
     run = tmp_path / "stress"
     lora.save_adapter(m, str(run))
     (run / "run.json").write_text(json.dumps({"model": tiny_model}))
-    settings = dict(mmlu_limit=500, mmlu_shots=5, mmlu_scoring="letter", seed=1234, truthfulqa_limit=0)
-    (tmp_path / "eval.json").write_text(json.dumps({"mmlu": {"acc": 0.5}, "settings": settings}))
+    base = dict(tasks="mmlu,truthfulqa", gsm8k_fewshot=0, model=tiny_model, mmlu_limit=500, mmlu_shots=5,
+                mmlu_scoring="letter", seed=1234, truthfulqa_limit=0)
+
+    def base_scored(**changes):  # the base's eval.json, as evaluate.py writes it with these flags
+        args = argparse.Namespace(**{**base, **changes})
+        (tmp_path / "eval.json").write_text(json.dumps({t: {"acc": 0.5, "fingerprint": E.fingerprint(args, t)}
+                                                        for t in ("mmlu", "truthfulqa")}))
+    base_scored()
     flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)]
     with pytest.raises(M.InputError, match="eval.json scored mmlu with --mmlu-limit 500, this evaluation with 8; "
-                                           "forgetting compares the same questions: pass --mmlu-limit 500, or evaluate"):
+                                           "forgetting compares a run with its base on the same questions"):
         E.main([str(run), "--mmlu-limit", "8", *flags])  # before any model is loaded
     with pytest.raises(M.InputError, match="with --mmlu-scoring letter, this evaluation with text"):
         E.main([str(run), "--mmlu-scoring", "text", *flags])
     with pytest.raises(M.InputError, match="with --seed 1234, this evaluation with 7"):  # another subset of 500
         E.main([str(run), "--seed", "7", *flags])
-    args = argparse.Namespace(tasks="mmlu,truthfulqa", **dict(settings, mmlu_limit=0, seed=7))
-    E.check_same_questions({"mmlu": {}, "settings": dict(settings, mmlu_limit=0)}, args, "eval.json")  # all: any seed
+    with pytest.raises(M.InputError, match="scored truthfulqa with --truthfulqa-limit 0, this evaluation with 5"):
+        E.main([str(run), "--mmlu-limit", "500", "--truthfulqa-limit", "5", *flags])
+    base_scored(mmlu_limit=0)  # every MMLU question: the seed decides none of them
+    E.check_base(str(tmp_path / "eval.json"), argparse.Namespace(**{**base, "mmlu_limit": 0, "seed": 7}))
     # a base evaluation of another model in the same --out: forgetting against it would mean nothing
-    import re
     other = tmp_path / "other-base"
     other.mkdir()
-    (tmp_path / "eval.json").write_text(json.dumps({"mmlu": {"acc": 0.5}, "settings": dict(settings, model=str(other))}))
-    with pytest.raises(M.InputError, match=re.escape(f"eval.json is the evaluation of base {other}, but --model is "
-                                                     f"{tiny_model}; forgetting compares a run with its own base")):
+    base_scored(model=str(other))
+    with pytest.raises(M.InputError, match=f"scored truthfulqa with --model {other}, this evaluation with "
+                                           f"{os.path.realpath(tiny_model)}"):
         E.main([str(run), "--mmlu-limit", "500", *flags])
     # the same folder spelt another way is the same base: the questions are checked next
-    (tmp_path / "eval.json").write_text(json.dumps({"mmlu": {"acc": 0.5}, "settings": dict(settings, model=tiny_model + "/")}))
+    base_scored(model=tiny_model + "/")
     with pytest.raises(M.InputError, match="with --mmlu-limit 500, this evaluation with 8"):
         E.main([str(run), "--mmlu-limit", "8", *flags])
-
-
-def test_table_gives_small_drift_in_significant_digits():
-    """A small model's MMD^2 can be 1e-5: fixed decimals would print every run as 0.00000."""
-    run = lambda mmd2: {"eval": {"gsm8k": {"flexible": 0.5}}, "drift": {"mmd2": mmd2}}
-    table = E.results_markdown({"stress": run(1.5e-5), "stress-seed1": run(2.5e-5)})
-    # MMD^2 is ours alone; MMD, sqrt(max(MMD^2, 0)) run by run, stands beside Table 2's column of that name
-    assert "| stress | 0.500±0.000 / 0.420 |" in table and "| 2e-05±7.071e-06 | 0.004436±0.0007969 / 0.01093 |" in table
-
-
-def test_drift_against_forgetting_correlations():
-    rows = [dict(run=n, mmd2=m, forgetting=f) for n, m, f in (("a", 1.0, 0.1), ("b", 2.0, 0.3), ("c", 3.0, 0.2),
-                                                              ("d", 4.0, 0.4), ("base", None, None))]
-    got = E.drift_vs_forgetting(rows)
-    mmd, forgetting = np.array([1.0, 2.0, 3.0, 4.0]), np.array([0.1, 0.3, 0.2, 0.4])
-    assert got["n"] == 4 and abs(got["spearman"] - 0.8) < 1e-12
-    assert abs(got["pearson"] - np.corrcoef(mmd, forgetting)[0, 1]) < 1e-12
-    assert E.ranks([0.3, 0.1, 0.3, 0.2]) == [3.5, 1.0, 3.5, 2.0]  # ties share their mean rank
-    assert E.drift_vs_forgetting(rows[:2]) is None  # too few
-    assert E.drift_vs_forgetting([dict(r, forgetting=0.0) for r in rows]) is None  # no spread
-    # the paper's Table 2: rank differences 0, 2, 2, 2, 2 over five runs give 1 - 6 * 16 / (5 * 24) = 0.2
-    paper = E.drift_vs_forgetting([dict(run=n, **v) for n, v in E.PAPER.items()], "mmd")
-    assert paper["n"] == 5 and abs(paper["spearman"] - 0.2) < 1e-12
-    # its p-value by brute force: the share of the 120 orders of five ranks whose Spearman's is at least 0.2 from zero
-    orders = np.array(list(itertools.permutations(range(5))))
-    rho = 1 - 6 * ((orders - np.arange(5)) ** 2).sum(1) / (5 * 24)
-    assert paper["spearman_p"] == (np.abs(rho) >= 0.2 - 1e-12).mean() == 94 / 120
-    assert E.permutation_p([1, 2, 3, 4, 5], [2, 4, 6, 8, 11]) == 2 / 120  # only the order itself and its reverse
-    # beyond eight rows random pairings: a strong correlation stays rare among them, a weak one does not
-    x = list(range(12))
-    assert E.permutation_p(x, [v + 0.1 * (v % 3) for v in x]) < 0.001
-    assert E.permutation_p(x, [5, 1, 9, 0, 11, 3, 7, 2, 10, 6, 4, 8]) > 0.2
-
-    run = lambda mmd2, forgetting: {"eval": {"retention": {"forgetting": forgetting}}, "drift": {"mmd2": mmd2}}
-    table = E.results_markdown({"mild": run(1e-5, 0.0), "mild-seed1": run(3e-5, 0.02), "stress": run(2e-5, 0.3),
-                                "stress-seed1": run(4e-5, 0.5), "rl": run(6e-5, 0.01), "rl-seed1": run(4e-5, 0.03)})
-    # condition means: MMD^2 2, 3, 5 (x 1e-5), forgetting 0.01, 0.4, 0.02: ranks 1, 2, 3 against 1, 3, 2
-    pearson = np.corrcoef([2, 3, 5], [0.01, 0.4, 0.02])[0, 1]
-    # three rows have six pairings, of rank correlations 1, 0.5, 0.5, -0.5, -0.5 and -1: all as far from zero as 0.5
-    assert (f"over the 3 post-trained conditions: Spearman's rank correlation 0.50, Pearson's {pearson:.2f} (two-sided "
-            f"permutation p-values 1.00 and ") in table
-    assert "; the paper's Table 2, 5 runs: 0.20 and -0.08, p-values 0.78 and 0.88). Over the 6 single runs" in table
-    assert "update norm against forgetting" not in table  # no adapter files, no update norms
-
-    # the same question in weight space: the adapters' update norms against forgetting
-    norms = {"mild": 1.0, "mild-seed1": 3.0, "stress": 9.0, "stress-seed1": 11.0, "rl": 2.0, "rl-seed1": 2.0}
-    runs = {name: dict(run(1e-5, f), update_norm=norms[name]) for name, f in
-            (("mild", 0.0), ("mild-seed1", 0.02), ("stress", 0.3), ("stress-seed1", 0.5), ("rl", 0.01), ("rl-seed1", 0.03))}
-    table = E.results_markdown(runs)
-    pearson = np.corrcoef([2, 10, 2], [0.01, 0.4, 0.02])[0, 1]
-    assert (f"The update norm against forgetting over the 3 post-trained conditions: Spearman's 0.87, Pearson's "
-            f"{pearson:.2f} (p-values ") in table  # ranks 1.5, 3, 1.5 against 1, 3, 2
-    assert "| stress | " in table and " | 10.00±1.41 |" in table
-    header, rule, *rows = [line for line in table.splitlines() if line.startswith("|")]
-    assert {line.count("|") for line in [header, rule] + rows} == {header.count("|")}  # no cell breaks the columns
 
 
 def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path, capsys):
@@ -285,7 +237,7 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     errors = E.paired_stderr(E.read_samples(str(out)), E.read_samples(str(run)), str(out))
     expected = E.retention(E.retention_scores(base), E.retention_scores(result), errors)
     assert result["retention"] == expected and "forgetting" in expected and "forgetting_stderr" in expected
-    table = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--table", str(out)],
+    table = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out)],
                            check=True, capture_output=True, text=True).stdout
     assert "| base |" in table and "| stress |" in table and "0.420" in table  # paper's stress GSM8K beside ours
     assert (out / "results.md").read_text() in table + "\n"
@@ -318,163 +270,6 @@ def test_an_unknown_task_is_named_before_anything_runs(tmp_path, capsys, tasks, 
     assert f"argument --tasks: unknown task {unknown!r} in {tasks!r}; name tasks from gsm8k,mmlu,truthfulqa" in err
 
 
-def test_a_table_without_evaluations_or_a_call_without_runs_says_what_to_do(tmp_path, capsys):
-    with pytest.raises(M.InputError, match=f"no eval.json in {tmp_path} or its run folders; run `python evaluate.py base"):
-        E.main(["--table", str(tmp_path)])
-    with pytest.raises(SystemExit):
-        E.main(["--model", str(tmp_path / "no-model")])
-    assert "name 'base' and/or run folders to evaluate, or use --table ROOT" in capsys.readouterr().err
-
-
-def test_a_log_line_cut_short_by_a_killed_run_is_left_out_of_the_state_nll(tmp_path):
-    (tmp_path / "eval.json").write_text("{}")
-    run = tmp_path / "stress"
-    run.mkdir()
-    (run / "eval.json").write_text("{}")
-    (run / "log.jsonl").write_text('{"step": 1, "state_nll": 2.0}\n{"step": 2, "state_nll": 4.0}\n{"step": 3, "sta')
-    assert E.collect_runs(str(tmp_path))["stress"]["state_nll"] == 3.0
-
-
-def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
-    """A run's snapshots (or a study of one's own) have no paper values to stand beside."""
-    run = lambda mmd2, forgetting: {"eval": {"gsm8k": {"flexible": 0.5}, "retention": {"forgetting": forgetting}},
-                                    "drift": {"mmd2": mmd2}}
-    table = E.results_markdown({"step-000010": run(3e-5, 0.1), "step-000020": run(2e-5, 0.3),
-                                "step-000030": run(1e-5, 0.2)})
-    assert "paper" not in table and " / " not in table
-    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.004472 | 0.3000 | - | - | - | - |" in table
-    pearson = np.corrcoef([3, 2, 1], [0.1, 0.3, 0.2])[0, 1]
-    assert f"MMD^2 against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f} (" in table
-    # one paper condition among them brings the paper's column back for every row
-    assert "| step-000020 | 0.500 / - |" in E.results_markdown({"stress": run(1e-5, 0.4), "step-000020": run(2e-5, 0.3)})
-
-
-@pytest.mark.parametrize("device", DEVICES)  # on CUDA: training, evaluation and drift there in bf16
-def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, data_dir, tmp_path, device):
-    """docs/toy-study-earlier.md's way to follow forgetting over training: snapshots, then evaluate.py and
-    drift.py on snapshots/step-*, then a table of them."""
-    import glob
-    import sft
-    out = tmp_path / "out"
-    common = ["--model", tiny_model, "--data-dir", str(data_dir), "--device", device]
-    sft.main([*common, "--out", str(out / "stress"), "--train-limit", "8", "--batch-size", "4", "--max-steps", "2",
-              "--snapshot-every", "1", "--lr", "1e-2"])
-    flags = [*common, "--out", str(out), "--gsm8k-limit", "4", "--mmlu-limit", "4", "--truthfulqa-limit", "4",
-             "--max-new-tokens", "8", "--gsm8k-fewshot", "1", "--mmlu-shots", "1", "--batch-size", "4"]
-    E.main(["base", *flags])
-    (out / "stress" / "snapshots" / "results.md").write_text("an earlier table, not a run\n")
-    steps = sorted(glob.glob(str(out / "stress" / "snapshots" / "step-*")))
-    E.main([*steps, *flags])
-    drift.main([*steps, *common, "--out", str(out), "--prompts", "4", "--max-new-tokens", "8", "--stride", "4",
-                "--permutations", "10"])
-    table = E.write_table(str(out / "stress" / "snapshots"))
-    rows = [line for line in table.splitlines() if line.startswith("| step-")]
-    assert [row.split(" | ")[0] for row in rows] == ["| step-000001", "| step-000002"]
-    for row in rows:  # drift, forgetting against the base, the log's state_nll and the update norm are all there
-        run, gsm8k, fewshot, tqa, mmlu, mmd2, mmd, forgetting, stderr, retention, state_nll, update_norm = \
-            row.strip("| ").split(" | ")
-        assert "-" not in (gsm8k, fewshot, mmd2, mmd, forgetting, stderr, state_nll, update_norm), row  # a random base may score 0: no retention
-
-
-def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured_again(tiny_model, data_dir, tmp_path):
-    """Resuming a run for more steps rewrites its adapter; its eval.json and drift.json
-    still hold the earlier adapter's numbers, and the table would put them beside the new
-    adapter's update norm and state_nll."""
-    import hashlib
-    import re
-    import sft
-    out, common = tmp_path / "out", ["--model", tiny_model, "--data-dir", str(data_dir)]
-    run = out / "stress"
-    train = [*common, "--out", str(run), "--train-limit", "8", "--batch-size", "4", "--lr", "1e-2"]
-    flags = [*common, "--out", str(out), "--tasks", "mmlu", "--mmlu-limit", "4", "--mmlu-shots", "0", "--batch-size", "4"]
-    drift_flags = [*common, "--out", str(out), "--prompts", "2", "--max-new-tokens", "4", "--stride", "2",
-                   "--permutations", "5"]
-    sft.main([*train, "--max-steps", "1"])
-    E.main(["base", str(run), *flags])
-    drift.main([str(run), *drift_flags])
-    digest = hashlib.sha256((run / "adapter_model.safetensors").read_bytes()).hexdigest()
-    for name in ("eval.json", "drift.json"):
-        assert json.loads((run / name).read_text())["adapter_sha256"] == digest
-    assert E.current(str(run)) and drift.current(str(run))
-    E.write_table(str(out))
-
-    sft.main([*train, "--max-steps", "2", "--resume"])
-    assert not E.current(str(run)) and not drift.current(str(run))
-    stale = (f"{run}/eval.json scored an earlier adapter than the one {run} holds now (trained since); evaluate it "
-             f"again: python evaluate.py {run} with the flags in its settings")
-    with pytest.raises(M.InputError, match=re.escape(stale)):
-        E.write_table(str(out))
-    E.main([str(run), *flags])
-    with pytest.raises(M.InputError, match=re.escape(f"{run}/drift.json measured an earlier adapter")):
-        E.write_table(str(out))
-    drift.main([str(run), *drift_flags])
-    assert E.current(str(run)) and drift.current(str(run))
-    assert "| stress |" in E.write_table(str(out))
-    # results written before they recorded their adapter cannot be told apart: taken as they are
-    for name in ("eval.json", "drift.json"):
-        result = json.loads((run / name).read_text())
-        (run / name).write_text(json.dumps({k: v for k, v in result.items() if k != "adapter_sha256"}))
-    assert E.current(str(run)) and drift.current(str(run))
-    # the base evaluated again after the run (say on other questions): the run's forgetting is of the old base
-    base = json.loads((out / "eval.json").read_text())
-    assert json.loads((run / "eval.json").read_text())["retention"]["base"] == {"mmlu": base["mmlu"]["acc"]}
-    (out / "eval.json").write_text(json.dumps({**base, "mmlu": {**base["mmlu"], "acc": base["mmlu"]["acc"] + 0.25}}))
-    with pytest.raises(M.InputError, match=re.escape(f"{run}/eval.json measured forgetting against a base mmlu score "
-                                                     f"of {base['mmlu']['acc']}, but {out}/eval.json now holds")):
-        E.write_table(str(out))
-
-
-def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
-    """GSM8K at other shots, or drift over longer rollouts, would differ by the flags alone."""
-    settings = dict(gsm8k_limit=500, gsm8k_fewshot=0, max_new_tokens=256, mmlu_limit=0, mmlu_shots=5,
-                    mmlu_scoring="letter", seed=1234, truthfulqa_limit=0, batch_size=16)
-    scores = {"gsm8k": {"flexible": 0.5}, "mmlu": {"acc": 0.4}, "truthfulqa": {"mc1": 0.3}}
-    drift_settings = dict(model="m", prompts=200, max_new_tokens=256, temperature=1.0, stride=16, seed=0)
-
-    def write(name, eval_settings, tasks=("gsm8k", "mmlu", "truthfulqa"), drift_result=None):
-        folder = tmp_path / name if name != "base" else tmp_path
-        folder.mkdir(exist_ok=True)
-        (folder / "eval.json").write_text(json.dumps({**{t: scores[t] for t in tasks}, "settings": eval_settings}))
-        if drift_result is not None:
-            (folder / "drift.json").write_text(json.dumps({"mmd2": 1e-5, "estimator": drift.ESTIMATOR, **drift_result}))
-
-    lexical = dict(features="lexical", embed="state", settings=drift_settings)
-    write("base", settings)
-    write("mild", dict(settings, batch_size=4), drift_result=lexical)  # a flag that changes no question
-    write("stress", dict(settings, seed=7), drift_result=lexical)  # every MMLU question whatever the seed
-    write("rl", dict(settings, gsm8k_limit=100), tasks=("mmlu", "truthfulqa"))  # it has no GSM8K score to compare
-    assert set(E.collect_runs(str(tmp_path))) == {"base", "mild", "stress", "rl"}
-    # what reproduce.py asks before it evaluates a run again: every task it names, on its questions
-    preset = argparse.Namespace(tasks="gsm8k,mmlu,truthfulqa", **settings)
-    assert E.current(str(tmp_path / "mild"), preset) and E.current(str(tmp_path), preset)
-    assert not E.current(str(tmp_path / "rl"), preset)  # no GSM8K score
-    assert E.current(str(tmp_path / "rl"), argparse.Namespace(**{**vars(preset), "tasks": "mmlu,truthfulqa"}))
-    assert not E.current(str(tmp_path / "stress"), argparse.Namespace(**{**vars(preset), "mmlu_limit": 100}))
-    # the study folder used again with another base model: its base evaluation is not that model's
-    first, second = tmp_path / "first-model", tmp_path / "second-model"
-    first.mkdir(), second.mkdir()
-    write("base", dict(settings, model=str(first)))
-    assert E.current(str(tmp_path), argparse.Namespace(**vars(preset), model=str(first) + "/"))
-    assert not E.current(str(tmp_path), argparse.Namespace(**vars(preset), model=str(second)))
-    write("base", settings)
-
-    write("rl", dict(settings, gsm8k_limit=100))
-    with pytest.raises(M.InputError, match=r"^rl's gsm8k was measured with --gsm8k-limit 100, base's with 500; evaluate both "
-                                           r"with the same flags to put them in one table$"):
-        E.collect_runs(str(tmp_path))
-    write("rl", dict(settings, mmlu_limit=100), tasks=("mmlu",))
-    with pytest.raises(M.InputError, match=r"^rl's mmlu was measured with --mmlu-limit 100, base's with 0"):
-        E.collect_runs(str(tmp_path))
-    write("rl", settings, drift_result=dict(lexical, settings=dict(drift_settings, stride=8)))
-    with pytest.raises(M.InputError, match=r"^rl's drift was measured with --stride 8, mild's with 16; measure both"):
-        E.collect_runs(str(tmp_path))
-    write("rl", settings, drift_result=dict(lexical, features="hidden"))
-    with pytest.raises(M.InputError, match=r"^rl's drift was measured with --features hidden, mild's with lexical"):
-        E.collect_runs(str(tmp_path))
-    write("rl", settings, drift_result=dict(lexical, settings=dict(drift_settings, model="/elsewhere/m")))
-    assert "rl" in E.collect_runs(str(tmp_path))  # the base model is checked where a run is loaded, by its folder
-
-
 def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_are_refused(tiny_model, data_dir,
                                                                                           tmp_path, monkeypatch,
                                                                                           capsys):
@@ -500,21 +295,3 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
     train_size = len(data.load_gsm8k("train", data_dir))
     with pytest.raises(M.InputError, match=f"--gsm8k-fewshot {train_size + 1}: the train split holds {train_size} "):
         E.main(["base", *flags[:-6], "--tasks", "gsm8k", "--gsm8k-fewshot", str(train_size + 1)])
-
-
-def test_a_table_of_a_folder_that_holds_studies_names_them(tmp_path, capsys):
-    def study(folder, runs):
-        folder.mkdir(parents=True)
-        (folder / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.5}}))
-        for run in runs:
-            (folder / run).mkdir()
-            (folder / run / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.6}}))
-    study(tmp_path / "out" / "toy", ["mild", "stress"])
-    with pytest.raises(M.InputError, match=f"the studies under it: {tmp_path / 'out' / 'toy'} \\(pass one of them\\)"):
-        E.write_table(str(tmp_path / "out"))
-    # a study of its own beside them: its rows, and a note naming the one under it
-    (tmp_path / "out" / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.4}}))
-    table = E.write_table(str(tmp_path / "out"))
-    assert "| base |" in table and "| toy |" not in table and "| mild |" not in table
-    assert f"note: {tmp_path / 'out' / 'toy'} holds a study of its own" in capsys.readouterr().out
-    assert "| mild |" in E.write_table(str(tmp_path / "out" / "toy"))

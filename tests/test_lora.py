@@ -3,7 +3,7 @@ import torch
 
 import lora
 import model as M
-import runs
+import train
 from conftest import DEVICES, randomize_adapter
 
 
@@ -245,7 +245,7 @@ def test_lora_gradients_equal_pefts(tiny_model, tmp_path, monkeypatch, device, d
         for module in ref.modules():
             if hasattr(module, "lora_dropout"):
                 module.lora_dropout["default"] = ReplayedDropout(masks, dropout)
-    (-runs.sequence_logprobs(ours, ids.tolist(), [1, 1])[0].mean()).backward()
+    (-train.sequence_logprobs(ours, ids.tolist(), [1, 1])[0].mean()).backward()
     assert len(masks) == (7 * ours.config.num_hidden_layers if dropout else 0)
     masks[:] = [m != 0 for m in masks]  # the elements dropout kept
     ref(input_ids=ids, labels=ids).loss.backward()

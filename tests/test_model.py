@@ -9,20 +9,15 @@ import pytest
 import torch
 
 import model as M
-import runs
-from conftest import DEVICES, OFFICIAL_CONFIG, ROOT, TINY_CONFIGS, our_model, randomize_adapter, save_hf_model
+import train
+from conftest import (DEVICES, OFFICIAL_CONFIG, ROOT, TINY_CONFIGS, our_model, randomize_adapter, save_hf_model,
+                      two_sequences)
 from sample import left_pad
 
 
 def hf_model(folder, dtype=torch.float32):
     from transformers import Qwen3ForCausalLM
     return Qwen3ForCausalLM.from_pretrained(folder, dtype=dtype).eval()
-
-
-def two_sequences(tok):
-    a = tok.encode("Question: Janet has 3 apples and buys 5 more. How many?\nAnswer:")
-    b = tok.encode("Question: 2 + 2?\nAnswer:")
-    return a, b
 
 
 def official_config():
@@ -188,70 +183,6 @@ def test_mlp_recomputes_silu_in_backward_with_the_same_gradients(tiny_model):
     assert kept1 <= 0.8 * kept0, (kept1, kept0)
 
 
-@pytest.mark.parametrize("name", list(TINY_CONFIGS))
-def test_sequence_logprobs_give_each_sequence_what_it_has_alone(tiny_models, name):
-    import lora
-    ours, tok = M.load(tiny_models[name])
-    lora.add_lora(ours, rank=4, alpha=8)
-    randomize_adapter(ours)
-    a, b = two_sequences(tok)
-    # a prompt's samples share it, a rollout's continuations share it up to their cuts, and a
-    # sequence may lie inside another; short or unshared ones keep rows of their own
-    samples = [a + tok.encode(f" {n} apples") for n in (7, 12, 400)]
-    cuts = [a + tok.encode(" She had 3") + tok.encode(t) for t in (" pens", " and 5 more", "")]
-    sequences = [b, *samples, *cuts, a[:20], a[:7] + b]
-    starts = [len(b) - 2, *[len(a)] * 3, *[len(a) + 2] * 3, 18, 7]
-    rows, _, _ = runs.shared_rows(sequences)
-    assert len(rows) < len(sequences) and sum(map(len, rows)) < sum(map(len, sequences))
-    logp, which = runs.sequence_logprobs(ours, sequences, starts)
-    assert which.tolist() == [b for b, (s, st) in enumerate(zip(sequences, starts)) for _ in range(st, len(s))]
-    grads = torch.autograd.grad(logp.sum(), lora.lora_parameters(ours))
-    alone, alone_grads = [], [torch.zeros_like(g) for g in grads]
-    for s, start in zip(sequences, starts):
-        with torch.no_grad():
-            expected = ours(torch.tensor([s]))[0].log_softmax(-1)
-        alone.append(expected[torch.arange(start - 1, len(s) - 1), torch.tensor(s[start:])])
-        lp, _ = runs.sequence_logprobs(ours, [s], [start])
-        for acc, g in zip(alone_grads, torch.autograd.grad(lp.sum(), lora.lora_parameters(ours))):
-            acc += g
-    assert (logp - torch.cat(alone)).abs().max() < 1e-5
-    assert all((g - e).abs().max() <= 1e-5 * e.abs().max() for g, e in zip(grads, alone_grads))
-    with pytest.raises(ValueError, match=r"sequence 1: start 0 outside \[1, 3\]"):
-        runs.sequence_logprobs(ours, [a, [1, 2, 3]], [2, 0])
-
-
-def test_shared_rows_lay_each_common_prefix_out_once_and_short_sequences_side_by_side():
-    trunk = list(range(100, 130))
-    sequences = [trunk[:20] + [1, 2], trunk, trunk[:25] + [3], list(range(200, 210)), trunk[:15] + [4], [7] * 12]
-    rows, parents, placed = runs.shared_rows(sequences)
-    # the longest first; what opens with 20 or 25 of its tokens adds only the rest to its row
-    assert rows[0] == trunk + [3, 1, 2] and parents[0] == [-1, *range(29), 24, 19, 31]
-    assert placed[0] == (0, list(range(20)) + [31, 32]) and placed[2] == (0, list(range(25)) + [30])
-    # one sharing 15 (below SHARED_MIN) would take the row past the longest's length (30):
-    # a row of its own (16), which the twelve 7s join (28); the last ten fit neither
-    assert [len(row) for row in rows] == [33, 28, 10] and placed[4][0] == placed[5][0] == 1 and placed[3][0] == 2
-    for s, (r, columns) in zip(sequences, placed):
-        assert [rows[r][c] for c in columns] == s
-        assert all(parents[r][c] == (columns[i - 1] if i else -1) for i, c in enumerate(columns))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_training_pass_computes_what_fp32_on_the_cpu_does(tiny_models, device, dtype):
-    import lora
-    reference, tok = M.load(tiny_models["untied"])
-    ours, _ = M.load(tiny_models["untied"], device, dtype)
-    for m in (reference, ours):
-        lora.add_lora(m, rank=4, alpha=8)
-        randomize_adapter(m)
-    a, b = two_sequences(tok)
-    sequences = [a, b, a + b, a + a]  # the last two share a's tokens: rows with branches
-    expected, _ = runs.sequence_logprobs(reference, sequences, [2, 2, len(a), len(a)])
-    got, _ = runs.sequence_logprobs(ours, sequences, [2, 2, len(a), len(a)])
-    tolerance = 1e-4 if dtype == torch.float32 else 0.1  # bf16 rounds activations to 3 significant digits
-    assert got.dtype == torch.float32 and (got.cpu() - expected).abs().max() < tolerance
-
-
 def test_official_config_loads_with_its_values():
     config, raw = M.read_config(OFFICIAL_CONFIG), official_config()
     for field in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -394,7 +325,7 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model):
     for recompute in (False, True):
         m.recompute = recompute
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            logp = runs.sequence_logprobs(m, seqs, [3] * len(seqs))[0]
+            logp = train.sequence_logprobs(m, seqs, [3] * len(seqs))[0]
         kept = sum(e.self_cpu_memory_usage for e in prof.events())  # held after the forward pass: kept for backward
         (-logp.mean()).backward()
         results[recompute] = logp.detach(), [p.grad for p in lora.lora_parameters(m)], kept

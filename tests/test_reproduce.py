@@ -39,30 +39,25 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     assert (out / "stress" / "adapter_model.safetensors").stat().st_mtime_ns == stamp
 
     os.remove(out / "rl" / "drift.json")
-    # a result of the estimator before the paired one: measured again, not shown as it is
-    stale = json.loads((out / "stress" / "drift.json").read_text())
-    del stale["estimator"]
-    (out / "stress" / "drift.json").write_text(json.dumps(stale))
     # an adapter that changed after it was evaluated (a run trained further by hand): scored and measured again
     from safetensors.torch import load_file, save_file
     weights = out / "opd-logits" / "adapter_model.safetensors"
     save_file({k: v * 2 for k, v in load_file(weights).items()}, weights)
     # a run evaluated, and one measured, by hand with other flags than the preset's: done again as the preset does
     by_hand = json.loads((out / "rl" / "eval.json").read_text())
-    (out / "rl" / "eval.json").write_text(json.dumps({**by_hand, "settings": {**by_hand["settings"], "gsm8k_limit": 2}}))
+    by_hand["gsm8k"]["fingerprint"]["gsm8k_limit"] = 2
+    (out / "rl" / "eval.json").write_text(json.dumps(by_hand))
     by_hand = json.loads((out / "mild" / "drift.json").read_text())
-    (out / "mild" / "drift.json").write_text(json.dumps({**by_hand, "settings": {**by_hand["settings"], "stride": 99}}))
+    (out / "mild" / "drift.json").write_text(json.dumps({**by_hand, "fingerprint": {**by_hand["fingerprint"], "stride": 99}}))
     third = subprocess.run(cmd, capture_output=True, text=True)
     assert third.returncode == 0, third.stderr[-3000:]
     assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == [
         "[running] evaluate opd-logits", "[running] evaluate rl", "[running] drift"]
-    for run in ("rl", "stress", "opd-logits", "mild"):
-        assert json.loads((out / run / "drift.json").read_text())["estimator"] == "paired by prompt, unpaired beside"
-    assert json.loads((out / "rl" / "eval.json").read_text())["settings"]["gsm8k_limit"] == 4
-    assert json.loads((out / "mild" / "drift.json").read_text())["settings"]["stride"] == 8
+    assert json.loads((out / "rl" / "eval.json").read_text())["gsm8k"]["fingerprint"]["gsm8k_limit"] == 4
+    assert json.loads((out / "mild" / "drift.json").read_text())["fingerprint"]["stride"] == 8
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
-    assert json.loads((out / "opd-logits" / "eval.json").read_text())["adapter_sha256"] == digest
-    assert json.loads((out / "opd-logits" / "drift.json").read_text())["adapter_sha256"] == digest
+    assert json.loads((out / "opd-logits" / "eval.json").read_text())["gsm8k"]["fingerprint"]["adapter_sha256"] == digest
+    assert json.loads((out / "opd-logits" / "drift.json").read_text())["fingerprint"]["adapter_sha256"] == digest
     assert "delete a run folder" not in third.stdout
 
     # a finished run whose settings are not the preset's (here: trained before a change of --lr)

@@ -4,7 +4,7 @@ import torch.nn.functional as F
 
 import lora
 import model as M
-import runs
+import train
 from conftest import randomize_adapter
 from sample import draw, find_stop, generate, left_pad, tokens_before_stop
 
@@ -18,9 +18,9 @@ def loaded(tiny_model):
 
 
 def trained(model, rollouts):
-    """The log-probs the training pass (model.sequence_logprobs) gives the rollouts' own tokens."""
+    """The log-probs the training pass (train.sequence_logprobs) gives the rollouts' own tokens."""
     with torch.no_grad():
-        logp, _ = runs.sequence_logprobs(model, [r.prompt_ids + r.completion_ids for r in rollouts],
+        logp, _ = train.sequence_logprobs(model, [r.prompt_ids + r.completion_ids for r in rollouts],
                                       [len(r.prompt_ids) for r in rollouts])
     return logp
 

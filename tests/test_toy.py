@@ -11,6 +11,7 @@ import pytest
 import data
 import model as M
 import toy
+import train
 from conftest import ROOT, hold_in_another_process
 
 
@@ -87,26 +88,25 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     import pytest
     import torch
     from safetensors.torch import load_file
-    import runs
     p = argparse.ArgumentParser()
     toy.add_toy_args(p)
     args = p.parse_args(["--pretrain-steps", "25", "--hidden", "32", "--layers", "1", "--vocab", "300", "--batch", "4",
                          "--context", "64", "--target-problems", "50", "--bf16", "0"])
     monkeypatch.setattr(toy, "PRETRAIN_SAVE_EVERY", 10)
     toy.pretrain(str(tmp_path / "whole"), args)
-    lr_at = runs.lr_at
+    lr_at = train.lr_at
 
     def crash_at_step_15(step, *rest):
         if step == 15:
             raise KeyboardInterrupt
         return lr_at(step, *rest)
 
-    monkeypatch.setattr(runs, "lr_at", crash_at_step_15)
+    monkeypatch.setattr(train, "lr_at", crash_at_step_15)
     with pytest.raises(KeyboardInterrupt):
         toy.pretrain(str(tmp_path / "cut"), args)
     checkpoint = tmp_path / "cut" / "base-model" / "pretrain-checkpoint.pt"
     assert torch.load(checkpoint, weights_only=True)["step"] == 10
-    monkeypatch.setattr(runs, "lr_at", lr_at)
+    monkeypatch.setattr(train, "lr_at", lr_at)
     capsys.readouterr()
     toy.pretrain(str(tmp_path / "cut"), args)
     assert "resuming pretraining at step 10" in capsys.readouterr().out and not checkpoint.exists()
@@ -114,10 +114,10 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     cut = load_file(str(tmp_path / "cut" / "base-model" / "model.safetensors"))
     assert whole.keys() == cut.keys() and all(torch.equal(whole[k], cut[k]) for k in whole)
     # a checkpoint from other settings is not resumed: pretraining starts again
-    monkeypatch.setattr(runs, "lr_at", crash_at_step_15)
+    monkeypatch.setattr(train, "lr_at", crash_at_step_15)
     with pytest.raises(KeyboardInterrupt):
         toy.pretrain(str(tmp_path / "other"), args)
-    monkeypatch.setattr(runs, "lr_at", lr_at)
+    monkeypatch.setattr(train, "lr_at", lr_at)
     args.pretrain_lr *= 2
     toy.pretrain(str(tmp_path / "other"), args)
     assert "is from other settings; pretraining starts again" in capsys.readouterr().out

@@ -1,0 +1,193 @@
+"""
+What every entry point shares (the training scripts, evaluate.py, drift.py, reproduce.py,
+toy.py): its flags, the device it runs on, one line for a user's mistake, and under
+`torchrun --nproc-per-node N` its share of the work. The model does not import it.
+"""
+import argparse
+import atexit
+import errno
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from model import DEFAULT_MODEL, InputError
+
+
+# -----------------------------------------------------------------------------
+# flags, device and errors
+
+def number(kind, minimum, above=False, below=None, why=""):
+    """An argparse type: a value of kind (int or float) at least minimum (above it, with
+    above=True) and below `below` when given; anything else is argparse's one-line error,
+    ending with why (the reason for the bound) when given."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
+        if not (value > minimum if above else value >= minimum) or (below is not None and not value < below):
+            bound = f"{'above' if above else 'at least'} {minimum}" + (f" and below {below}" if below is not None else "")
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}" + (f": {why}" if why else ""))
+        return value
+    parse.__name__ = kind.__name__  # argparse names the type in its own messages
+    return parse
+
+
+def add_model_args(p, model_help=f"base model: a hub id or a local folder (default: the one the run folders given "
+                                  f"were trained on, else {DEFAULT_MODEL})"):
+    """The flags every entry point shares: which model, which data, which device."""
+    p.add_argument("--model", default=None, help=model_help)
+    p.add_argument("--data-dir", default=None, help="dataset folder (default: the run folders', else $STATES_DATA, "
+                                                     "else fetched once into ~/.cache/states)")
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: $STATES_DEVICE, else cuda when present)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on cuda, fp32 on cpu")
+
+
+def resolve_device(device=None, dtype=None):
+    """(torch.device, torch.dtype) from --device (else $STATES_DEVICE, else cuda when present)
+    and --dtype (else bf16 on cuda, fp32 elsewhere)."""
+    source = "--device" if device else "$STATES_DEVICE" if os.environ.get("STATES_DEVICE") else None
+    device = device or os.environ.get("STATES_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except RuntimeError:
+        raise InputError(f"{source} {device!r} is not a device; use cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"{source} {device}, but torch finds no CUDA device (no GPU, no driver, or a CPU-only torch); "
+                         f"{'unset $STATES_DEVICE' if source == '$STATES_DEVICE' else 'leave out --device'} to run on the CPU")
+    if dtype not in ("fp32", "bf16", None):
+        raise InputError(f"--dtype {dtype!r} is not a dtype this code runs in; use fp32 or bf16")
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[dtype]
+    return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+
+def device_from_args(args):
+    """resolve_device for --device and --dtype, printing what was picked and why; under
+    torchrun, this process's own GPU."""
+    device, dtype = resolve_device(args.device, args.dtype)
+    device = join_processes(device)
+    source = "given" if args.device else "from $STATES_DEVICE" if os.environ.get("STATES_DEVICE") else "default"
+    print(f"device {device} ({source}), dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    return device, dtype
+
+
+def run_script(main, memory_fix="rerun with smaller settings"):
+    """A script's entry point: main(argv) on the command line's arguments. A mistake in the
+    user's input (InputError, a missing file), a device too small for the settings (with
+    memory_fix, the flags that need less), a full disk or a folder without permission ends
+    the run with one line; any other exception is a bug and keeps its traceback."""
+    try:
+        main(sys.argv[1:])
+        if WORLD > 1:
+            leave_processes()
+    except (InputError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    except torch.OutOfMemoryError as e:
+        raise SystemExit(f"error: the GPU ran out of memory ({str(e).strip().splitlines()[0]}); {memory_fix}") from None
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise SystemExit(f"error: could not write {e.filename or 'a file'} ({e.strerror}); make room, then run it "
+                             f"again") from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise SystemExit(f"error: {e.filename or 'a file'}: {e.strerror}; check its permissions, or pass a folder "
+                             f"you can write to") from None
+        raise
+    except RuntimeError as e:  # the CPU's allocator raises a plain RuntimeError
+        if "DefaultCPUAllocator: can't allocate memory" not in str(e):
+            raise
+        raise SystemExit(f"error: the CPU ran out of memory ({str(e).split('DefaultCPUAllocator: ')[-1].splitlines()[0]}"
+                         f"); {memory_fix}") from None
+
+
+def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
+    """The flags every training script shares; each script passes its own defaults."""
+    add_model_args(p)
+    p.add_argument("--lr", type=number(float, 0, above=True), default=lr, help="peak learning rate of the LoRA parameters")
+    p.add_argument("--rank", type=number(int, 1), default=rank, help="LoRA rank")
+    p.add_argument("--alpha", type=number(float, 0, above=True), default=alpha, help="LoRA alpha (scale = alpha / rank)")
+    p.add_argument("--lora-dropout", type=number(float, 0, below=1), default=dropout, help="dropout on the LoRA path")
+    p.add_argument("--weight-decay", type=number(float, 0), default=0.0, help="AdamW weight decay")
+    p.add_argument("--warmup", type=number(float, 0, below=1), default=warmup,
+                   help="fraction of steps with linear warmup, then cosine decay")
+    p.add_argument("--grad-clip", type=number(float, 0), default=1.0, help="clip the global gradient norm (0 = off)")
+    p.add_argument("--grad-accum", type=number(int, 1), default=1, help="micro-batches per optimizer step (at least)")
+    p.add_argument("--micro-batch-tokens", type=number(int, 0), default=8192,
+                   help="most tokens, padding included, in one forward and backward pass; each step's sequences are "
+                        "split under it (0 = no bound)")
+    p.add_argument("--recompute", action="store_true",
+                   help="keep only each layer's input for the backward pass and run the layer again there: less "
+                        "activation memory for about a third more time, the same gradients")
+    p.add_argument("--max-steps", type=number(int, 0), default=0, help="stop after this many steps (0 = the full run)")
+    p.add_argument("--save-every", type=number(int, 1), default=50, help="write a checkpoint every N steps")
+    p.add_argument("--snapshot-every", type=number(int, 0), default=0,
+                   help="also keep the adapter every N steps in <out>/snapshots/step-N, a run folder of its own for "
+                        "evaluate.py and drift.py (0 = none)")
+    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
+
+
+# what a training script's out-of-memory error says to do: the flags above that need less
+MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recompute"
+
+
+# -----------------------------------------------------------------------------
+# more than one process: under `torchrun --nproc-per-node N`, every process takes a share
+# of each step's batch and the adapter's gradients are summed over them; one process (RANK
+# 0) writes the run folder. A plain `python` run is WORLD 1 and none of this does anything.
+
+RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def join_processes(device):
+    """Join torchrun's process group (NCCL on CUDA, gloo on the CPU); returns the device this
+    process runs on, on CUDA its own GPU."""
+    if WORLD == 1:
+        return device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        # left for the interpreter's own teardown, gloo's threads can abort the process (SIGABRT)
+        # after a run has finished, which torchrun then reports as a failure
+        atexit.register(dist.destroy_process_group)
+    return device
+
+
+def leave_processes():
+    """End a process of torchrun's that finished its work: once every process has, the group
+    is taken down and the process exits 0 at once. Left to the interpreter's teardown, gloo's
+    threads (still held by the C++ runtime as it exits) abort a finished process now and
+    then, SIGABRT with "terminate called without an active exception", which torchrun
+    reports as a failed run; os._exit skips that teardown. Every file is written by now."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush(), sys.stderr.flush()
+    os._exit(0)
+
+
+def split(n, flag=None):
+    """(first, last): this process's contiguous share of n items, in rank order, so that the
+    shares joined are the whole. Where a flag sets n, it must split evenly, so that every
+    process takes the same share and N processes make the update one makes."""
+    if flag and n % WORLD:
+        raise InputError(f"{flag} {n} does not split evenly over {WORLD} processes; pass a multiple of {WORLD}, or "
+                         f"run fewer processes")
+    return RANK * n // WORLD, (RANK + 1) * n // WORLD
+
+
+def joined(part):
+    """Every process's list, joined in rank order (split's inverse)."""
+    if WORLD == 1:
+        return list(part)
+    parts = [None] * WORLD
+    dist.all_gather_object(parts, list(part))
+    return [x for p in parts for x in p]
+
+
+def summed(*values):
+    """Each number summed over the processes."""
+    return [sum(column) for column in zip(*joined([values]))]

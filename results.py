@@ -1,0 +1,335 @@
+"""
+The study's report: every run folder's eval.json, drift.json and log gathered into one
+table in the layout of the paper's Table 2, with the paper's numbers beside ours, seeds
+merged into a mean and a spread, and what predicts forgetting (P4): the correlations of
+MMD^2 and of the update norm with forgetting, with permutation p-values. Writes
+results.md, results.json and (with matplotlib) results.png into the study folder.
+
+    python results.py out          # the table of out/'s runs
+    python results.py out/toy      # reproduce.py writes it at the end of a study
+
+A table puts only numbers that compare in one column: every result carries a fingerprint
+(the model, the adapter's sha256, the flags that decide its questions or rollouts), and
+a run trained since it was measured, or two rows measured otherwise, stop the table in
+one line that names the difference and the command that fixes it.
+"""
+import argparse
+import itertools
+import os
+import random
+import re
+import statistics
+
+import cli
+import lora
+import model as M
+import runs
+
+# Table 2 of the paper (Nie 2026, arXiv 2605.22731), keyed by our run folder names
+PAPER = {
+    "base": dict(gsm8k=0.448, truthfulqa=0.300, mmlu=0.436),
+    "mild": dict(gsm8k=0.512, truthfulqa=0.295, mmlu=0.444, mmd=0.00956, forgetting=-0.0015, retention=1.0008),
+    "stress": dict(gsm8k=0.420, truthfulqa=0.245, mmlu=0.364, mmd=0.01093, forgetting=0.0635, retention=0.8258),
+    "opd-mild": dict(gsm8k=0.512, truthfulqa=0.290, mmlu=0.434, mmd=0.01470, forgetting=0.0060, retention=0.9810),
+    "opd-stress": dict(gsm8k=0.466, truthfulqa=0.275, mmlu=0.430, mmd=0.01092, forgetting=0.0155, retention=0.9515),
+    "opd-logits": dict(gsm8k=0.040),
+    "rl": dict(gsm8k=0.472, truthfulqa=0.290, mmlu=0.442, mmd=0.01098, forgetting=0.0020, retention=0.9902),
+}
+# the table's row order: the paper's, with kd-stress (not in the paper) beside the run it contrasts
+RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "rl"]
+# the table's columns that come from a result with a fingerprint (eval.json's tasks; drift.json)
+COLUMNS = ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa")
+
+
+def condition(run_name):
+    """The condition a run folder belongs to: 'stress-seed2' -> 'stress'."""
+    return re.sub(r"-seed\d+$", "", run_name)
+
+
+def study_folders(root):
+    """The folders under root that hold a study of their own, as reproduce.py's --out does: a
+    base evaluation (eval.json) beside run folders with theirs. Their runs are not root's."""
+    found = []
+    for base, folders, files in os.walk(root):
+        if base != root and "eval.json" in files and any(
+                os.path.isfile(os.path.join(base, f, "eval.json")) for f in folders):
+            found.append(base)
+            folders.clear()  # its runs are its own
+    return sorted(found)
+
+
+def check_fingerprints(found):
+    """Stop when a number in the table is not of the adapter its folder holds now (trained
+    since it was measured), or when two rows of one column were measured with other settings
+    (other questions, rollouts, features or model): a difference between them would be the
+    flags', not the training's. found: the runs as collect_runs gathers them."""
+    first = {}
+    for name, run in found.items():
+        sha = lora.adapter_sha256(run["folder"]) if name != "base" else None
+        measured = [(task, r.get("fingerprint", {}), "evaluate") for task, r in run["eval"].items()
+                    if task in COLUMNS]
+        measured += [("drift", run["drift"].get("fingerprint", {}), "drift")] if "drift" in run else []
+        for column, fingerprint, script in measured:
+            if fingerprint.get("adapter_sha256") != sha:
+                raise M.InputError(f"{run['folder']}'s {column} was measured on another adapter than the one there now "
+                                   f"(trained since, or measured by an earlier version of this code); measure it again: "
+                                   f"python {script}.py {run['folder']}")
+            seen_name, seen = first.setdefault(column, (name, fingerprint))
+            difference = runs.first_difference(seen, fingerprint, ignore=("adapter_sha256",))
+            if difference:
+                key, theirs, ours = difference
+                raise M.InputError(f"{name}'s {column} was measured with {key} {ours}, {seen_name}'s with {theirs}; "
+                                   f"{'evaluate' if script == 'evaluate' else 'measure'} both with the same flags to "
+                                   f"put them in one table")
+
+
+def collect_runs(root):
+    """name -> {"folder", "eval", "drift", "update_norm", "state_nll"} for the base (root's own
+    eval.json) and each run folder in root, in the table's order; check_fingerprints first."""
+    found = {}
+    if os.path.isfile(os.path.join(root, "eval.json")):
+        found["base"] = {"folder": root, "eval": M.read_json(os.path.join(root, "eval.json"))}
+    studies = study_folders(root)
+    for name in sorted(os.listdir(root)) if os.path.isdir(root) else []:
+        folder = os.path.join(root, name)
+        if not os.path.isfile(os.path.join(folder, "eval.json")) or folder in studies:
+            continue
+        run = found[name] = {"folder": folder, "eval": M.read_json(os.path.join(folder, "eval.json"))}
+        if os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+            run["update_norm"] = lora.update_norm(folder)
+        if os.path.isfile(os.path.join(folder, "drift.json")):
+            run["drift"] = M.read_json(os.path.join(folder, "drift.json"))
+        if os.path.isfile(os.path.join(folder, "log.jsonl")):
+            nll = [r["state_nll"] for r in runs.read_log(os.path.join(folder, "log.jsonl")) if r.get("state_nll") is not None]
+            run["state_nll"] = sum(nll) / len(nll) if nll else None
+    check_fingerprints(found)
+    rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)  # noqa: E731
+    return {n: found[n] for n in sorted(found, key=lambda n: (rank(n), n))}
+
+
+def table_rows(found):
+    rows = []
+    for name, run in found.items():
+        e, d = run["eval"], run.get("drift", {})
+        ret = e.get("retention", {})
+        rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"),
+                         gsm8k_fewshot=e.get("gsm8k_fewshot", {}).get("flexible"),
+                         truthfulqa=e.get("truthfulqa", {}).get("mc1"), mmlu=e.get("mmlu", {}).get("acc"),
+                         mmd2=d.get("mmd2"), mmd=None if d.get("mmd2") is None else max(d["mmd2"], 0.0) ** 0.5,
+                         forgetting=ret.get("forgetting"), forgetting_stderr=ret.get("forgetting_stderr"),
+                         retention=ret.get("retention"), state_nll=run.get("state_nll"),
+                         update_norm=run.get("update_norm")))
+    return rows
+
+
+METRICS = ("gsm8k", "gsm8k_fewshot", "truthfulqa", "mmlu", "mmd2", "mmd", "forgetting", "forgetting_stderr",
+           "retention", "state_nll", "update_norm")
+
+
+def group_seeds(rows):
+    """Rows of runs repeated over seeds (name-seed<s>) merged into one row per condition:
+    each metric's mean, and its standard deviation over seeds in <metric>_std."""
+    groups = {}
+    for r in rows:
+        groups.setdefault(condition(r["run"]), []).append(r)
+    out = []
+    for name, members in groups.items():
+        row = dict(run=name, seeds=len(members))
+        for k in METRICS:
+            values = [r[k] for r in members if r[k] is not None]
+            row[k] = statistics.mean(values) if values else None
+            row[k + "_std"] = statistics.stdev(values) if len(values) > 1 else None
+        out.append(row)
+    return out
+
+
+def ranks(values):
+    """1-based ranks, ties sharing the mean of the ranks they span."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in order[i:j + 1]:
+            out[k] = (i + j) / 2 + 1
+        i = j + 1
+    return out
+
+
+def permutation_p(x, y, rounds=10_000, seed=0):
+    """Two-sided p-value of the correlation of x and y under the hypothesis that they are
+    unrelated: the share of pairings of y's values with x whose correlation is at least as
+    far from zero as the observed one. Every pairing up to eight rows (40,320), else the
+    observed one and `rounds` random ones. With five rows, as in the paper's Table 2, no
+    p-value falls below 2/120 = 0.017, and only a perfect rank order reaches it."""
+    observed = abs(statistics.correlation(x, y)) * (1 - 1e-9)  # float sums of a permuted order may differ in the last bit
+    if len(y) <= 8:
+        pairings = list(itertools.permutations(y))
+    else:
+        rng = random.Random(seed)
+        pairings = [y] + [rng.sample(y, len(y)) for _ in range(rounds)]
+    return sum(abs(statistics.correlation(x, p)) >= observed for p in pairings) / len(pairings)
+
+
+def drift_vs_forgetting(rows, measure="mmd2"):
+    """The paper's P4 as two numbers: Spearman's rank correlation and Pearson's correlation
+    between a drift measure (MMD^2 of the states, or the adapter's update_norm in weight
+    space) and forgetting over the rows that have both (the base has neither), each with
+    its permutation p-value. None for fewer than three such rows or a column without spread."""
+    pairs = [(r[measure], r["forgetting"]) for r in rows
+             if r.get(measure) is not None and r.get("forgetting") is not None]
+    drift, forgetting = [p[0] for p in pairs], [p[1] for p in pairs]
+    if len(pairs) < 3 or len(set(drift)) < 2 or len(set(forgetting)) < 2:
+        return None
+    drift_ranks, forgetting_ranks = ranks(drift), ranks(forgetting)
+    return dict(n=len(pairs), spearman=statistics.correlation(drift_ranks, forgetting_ranks),
+                spearman_p=permutation_p(drift_ranks, forgetting_ranks),
+                pearson=statistics.correlation(drift, forgetting), pearson_p=permutation_p(drift, forgetting))
+
+
+def drift_forgetting_correlations(single_rows, measure="mmd2"):
+    """drift_vs_forgetting over the conditions (seeds merged, group_seeds) and over the
+    single runs, each seed apart: what results.md prints under its table and results.json keeps."""
+    return dict(conditions=drift_vs_forgetting(group_seeds(single_rows), measure),
+                runs=drift_vs_forgetting(single_rows, measure))
+
+
+def fmt(x, spec=".3f", std=None):
+    if x is None:
+        return "-"
+    return f"{x:{spec}}" + (f"±{std:{spec}}" if std is not None else "")
+
+
+def p_values(correlations):
+    # two decimals, except below 0.01, where they would print a p-value of 0
+    p = [f"{correlations[k]:.2f}" if correlations[k] >= 0.01 else f"{correlations[k]:.1g}" for k in ("spearman_p", "pearson_p")]
+    return f"p-values {p[0]} and {p[1]}"
+
+
+def results_markdown(found):
+    """results.md: one row per condition (seeds merged), each cell ours / the paper's Table 2,
+    and the drift-forgetting correlations under it. Rows none of which is a paper condition
+    (a run's snapshots, a study of one's own) get our numbers alone."""
+    # MMD^2 in significant digits: a small model's drift can be 1e-5 where the paper's is 1e-2
+    # (key, header, format, how the cell reads): "paper" ours / the paper's, "spread" ours with
+    # the spread over seeds, "mean" ours alone (a standard error's spread over seeds says little)
+    single_rows = table_rows(found)
+    rows = group_seeds(single_rows)
+    fewshot = [("gsm8k_fewshot", "GSM8K few-shot", ".3f", "spread")] if any(
+        r["gsm8k_fewshot"] is not None for r in rows) else []
+    cols = [("gsm8k", "GSM8K 0-shot", ".3f", "paper"), *fewshot, ("truthfulqa", "TruthfulQA", ".3f", "paper"),
+            ("mmlu", "MMLU", ".3f", "paper"), ("mmd2", "MMD^2", ".4g", "spread"), ("mmd", "MMD", ".4g", "paper"),
+            ("forgetting", "forgetting", ".4f", "paper"), ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"),
+            ("retention", "retention", ".4f", "paper"), ("state_nll", "state_nll", ".3f", "spread"),
+            ("update_norm", "update norm", ".2f", "spread")]
+    with_paper = any(row["run"] in PAPER for row in rows)
+    lines = [("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "") +
+             "GSM8K flexible accuracy, greedy, 0-shot in the format the methods train on" +
+             (" (few-shot: lm-evaluation-harness's 5 solved examples first)" if fewshot else "") +
+             "; TruthfulQA MC1; MMLU accuracy; MMD^2 of rollout states against the base and MMD = sqrt(max(MMD^2, 0))" +
+             (" (Table 2's column is headed MMD)" if with_paper else "") +
+             "; forgetting and retention averaged over TruthfulQA and MMLU. "
+             "forgetting s.e.: the standard error of a "
+             "run's forgetting from the finite number of questions, over each question's difference from the base's "
+             "answer to it (ours alone). state_nll: mean NLL of the states each run trained on. update norm: how far "
+             "training moved the weights, the Frobenius norm of the adapter's update over all the layers it adapts "
+             "(lora.update_norm).", "",
+             "| run | " + " | ".join(c[1] for c in cols) + " |",
+             "|---" * (len(cols) + 1) + "|"]
+    seeds = any(r["seeds"] > 1 for r in rows)
+    if seeds:
+        lines[0] += (f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once; "
+                     f"forgetting s.e.: the mean over seeds).")
+    for row in rows:
+        paper = PAPER.get(row["run"], {})
+        cells = [fmt(row[k], d, None if reads == "mean" else row[k + "_std"]) +
+                 (f" / {fmt(paper.get(k), d)}" if with_paper and reads == "paper" else "") for k, _, d, reads in cols]
+        lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
+    over = "post-trained conditions" if with_paper else "rows"
+    lines += correlation_lines(single_rows, over, with_paper, seeds)
+    return "\n".join(lines) + "\n"
+
+
+def correlation_lines(single_rows, over, with_paper, seeds):
+    """What results.md says under its table: MMD^2 against forgetting (P4), beside the paper's
+    Table 2, and the same question in weight space (the update norm), which the paper does
+    not ask; over the conditions, and over the single runs where there are seeds."""
+    lines = []
+    correlations = drift_forgetting_correlations(single_rows)
+    ours, single = correlations["conditions"], correlations["runs"]
+    if ours:  # P4: does drift explain forgetting?
+        lines += ["", f"MMD^2 against forgetting (P4) over the {ours['n']} {over}: Spearman's rank correlation "
+                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (two-sided permutation {p_values(ours)}"]
+        if with_paper:
+            paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()], "mmd")
+            lines[-1] += (f"; the paper's Table 2, {paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f}, "
+                          f"{p_values(paper)}")
+        lines[-1] += ")."
+        if seeds and single:
+            lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
+                          f"{single['pearson']:.2f} ({p_values(single)}).")
+    correlations = drift_forgetting_correlations(single_rows, "update_norm")
+    ours, single = correlations["conditions"], correlations["runs"]
+    if ours:  # the same question in weight space, which the paper does not ask
+        lines += ["", f"The update norm against forgetting over the {ours['n']} {over}: Spearman's "
+                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} ({p_values(ours)})."]
+        if seeds and single:
+            lines[-1] += (f" Over the {single['n']} single runs: {single['spearman']:.2f} and "
+                          f"{single['pearson']:.2f} ({p_values(single)}).")
+    return lines
+
+
+def write_results(root, **extra):
+    """Print and write root/results.md, results.json (the rows, the correlations, the paper's
+    numbers and extra, e.g. reproduce.py's preset and timings) and results.png; the studies
+    in folders under root are named, not mixed in. Returns results.md's text."""
+    found, nested = collect_runs(root), study_folders(root)
+    if not found:
+        where = f"; the studies under it: {', '.join(nested)} (pass one of them)" if nested else ""
+        raise M.InputError(f"no eval.json in {root} or its run folders{where}; run `python evaluate.py base ...` first")
+    text, rows = results_markdown(found), table_rows(found)
+    M.write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
+    M.write_json(os.path.join(root, "results.json"), dict(
+        rows=rows, drift_vs_forgetting=drift_forgetting_correlations(rows),
+        update_norm_vs_forgetting=drift_forgetting_correlations(rows, "update_norm"), paper=PAPER, **extra))
+    plot(root, rows)
+    for folder in nested:
+        print(f"note: {folder} holds a study of its own, left out of this table: python results.py {folder}")
+    return text
+
+
+def plot(out, rows):
+    """results.png when matplotlib is installed (it is optional, never required)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: no results.png without matplotlib (pip install matplotlib)")
+        return
+    points = [r for r in rows if r["run"] != "base" and r["gsm8k"] is not None and r["retention"] is not None]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for r in points:
+        a.scatter(r["retention"], r["gsm8k"])
+        a.annotate(r["run"], (r["retention"], r["gsm8k"]))
+        if r["mmd2"] is not None and r["forgetting"] is not None:
+            b.errorbar(r["mmd2"], r["forgetting"], yerr=r["forgetting_stderr"], fmt="o", capsize=3)
+            b.annotate(r["run"], (r["mmd2"], r["forgetting"]))
+    a.set(xlabel="mean retention ratio", ylabel="GSM8K accuracy", title="target vs retention")
+    b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting (bars: one standard error)",
+          title="drift vs forgetting (P4)")
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "results.png"), dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("root", help="the study folder: the base's eval.json and the run folders beside it")
+    print(write_results(p.parse_args(argv).root))
+
+
+if __name__ == "__main__":
+    cli.run_script(main)

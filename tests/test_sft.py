@@ -1,0 +1,59 @@
+"""sft.py: dataset states, gold tokens."""
+
+import pytest
+import torch
+
+import data
+import lora
+import model as M
+import sft
+import train
+from conftest import common, read_log
+
+
+def answer_nll(tiny_model, adapter, examples):
+    m, tok = M.load(tiny_model)
+    if adapter:
+        lora.load_adapter(m, adapter)
+    with torch.no_grad():
+        seqs = [tok.encode(p) for p, _ in examples]
+        full = [tok.encode(p + " " + a) + [tok.eos_id] for p, a in examples]
+        logp, _ = train.sequence_logprobs(m, full, [len(s) for s in seqs])
+    return -logp.mean().item()
+
+
+def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path):
+    out = tmp_path / "sft"
+    sft.main(common(tiny_model, data_dir, out, "--train-limit", 4, "--batch-size", 4, "--epochs", 100,
+                    "--lr", 2e-2, "--rank", 16, "--alpha", 32, "--lora-dropout", 0, "--warmup", 0))
+    rows = data.load_gsm8k("train", data_dir)[:4]
+    examples = [(data.gsm8k_prompt(r["question"]), r["answer"]) for r in rows]
+    before, after = answer_nll(tiny_model, None, examples), answer_nll(tiny_model, str(out), examples)
+    assert after < 0.2 * before, (before, after)
+    log = read_log(out)
+    assert log[-1]["loss"] < 0.2 * log[0]["loss"]
+
+
+def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_the_answer(tiny_model, data_dir,
+                                                                                        tmp_path, monkeypatch):
+    _, tok = M.load(tiny_model)
+    gold = [data.gsm8k_gold_ids(tok, r) for r in data.load_gsm8k("train", data_dir)[:8]]
+    prompt_lengths = sorted(len(p) for p, _ in gold)
+    limit = prompt_lengths[4] + 3  # the longest prompts fill it: their examples have nothing left to learn
+    trained = []
+    plain_states = train.sequence_states
+
+    def recorded_states(model, sequences, starts, *rest):
+        trained.extend(zip(map(tuple, sequences), starts))
+        return plain_states(model, sequences, starts, *rest)
+    monkeypatch.setattr(train, "sequence_states", recorded_states)
+    sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 8, "--max-length", limit,
+                    "--max-steps", 1))
+    expected = {(tuple((p + a)[:limit]), len(p)) for p, a in gold if len(p) < limit}
+    assert set(trained) == expected and 0 < len(expected) < 8
+    assert max(len(s) for s, _ in trained) == limit
+
+
+def test_sft_max_length_that_cuts_every_answer_is_an_input_error(tiny_model, data_dir, tmp_path):
+    with pytest.raises(M.InputError, match="--max-length 4 cuts every example before its answer"):
+        sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--max-length", 4, "--max-steps", 1))
