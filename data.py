@@ -262,6 +262,14 @@ def gsm8k_prompt(question, shots=()):
     return "\n\n".join(parts + [f"Question: {question}\nAnswer:"])
 
 
+def gsm8k_fewshot_prompts(questions, train, shots, seed=1234):
+    """Each question's prompt with `shots` solved train examples before it, drawn for each
+    question in turn from one random.Random(seed), as lm-evaluation-harness's default
+    few-shot sampler does for its gsm8k task (fewshot_split train, seed 1234)."""
+    rng = random.Random(seed)
+    return [gsm8k_prompt(q, rng.sample(train, shots) if shots else ()) for q in questions]
+
+
 GSM8K_STOP = ("Question:", "\n\nQuestion")
 
 

@@ -97,7 +97,7 @@ def eval_gsm8k(model, tok, args, shots):
     if shots > len(train):  # slicing would give fewer shots than asked, silently
         raise M.InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train)} examples; pass "
                            f"--gsm8k-fewshot {len(train)} or fewer (lm-evaluation-harness uses 5)")
-    prompts = [data.gsm8k_prompt(r["question"], train[:shots]) for r in rows]
+    prompts = data.gsm8k_fewshot_prompts([r["question"] for r in rows], train, shots)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths share a batch
     batches = [order[start:start + args.batch_size] for start in range(0, len(order), args.batch_size)]
     texts = []

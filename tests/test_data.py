@@ -91,6 +91,19 @@ def test_prompt_texts(data_dir):
     assert gsm == "Question: 1+1?\nAnswer: 2\n#### 2\n\nQuestion: How many?\nAnswer:"
 
 
+def test_gsm8k_few_shot_examples_are_drawn_for_each_question_as_lm_evaluation_harness_does(data_dir):
+    """lm-evaluation-harness's gsm8k (num_fewshot 5, fewshot_split train, its default sampler):
+    one random.Random(1234) draws each question's five train examples in turn."""
+    import random
+    train, test = data.load_gsm8k("train", data_dir), data.load_gsm8k("test", data_dir)[:3]
+    prompts = data.gsm8k_fewshot_prompts([r["question"] for r in test], train, 5)
+    rng = random.Random(1234)
+    assert prompts == [data.gsm8k_prompt(r["question"], rng.sample(train, 5)) for r in test]
+    shots = [p.split("\n\n")[:5] for p in prompts]  # a question's examples are its own
+    assert shots[0] != shots[1] != shots[2] and all(len(set(s)) == 5 for s in shots)
+    assert data.gsm8k_fewshot_prompts(["How many?"], train, 0) == ["Question: How many?\nAnswer:"]
+
+
 def test_mmlu_subset_is_stratified_and_fixed(data_dir):
     test = data.load_mmlu("test", data_dir)
     assert len(test) == 57 and sum(map(len, test.values())) == 14042

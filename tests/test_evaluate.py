@@ -1,6 +1,7 @@
 import argparse
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -215,9 +216,11 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
             assert s["flexible"] == data.extract_answer(s["completion"], "flexible")
     train = data.load_gsm8k("train", data_dir)
     gsm8k_rows = data.load_gsm8k("test", data_dir)
-    for s in samples:  # 0-shot: the format the methods train on; --gsm8k-fewshot 1: the first train example first
+    rng = random.Random(1234)  # --gsm8k-fewshot 1: each question's example drawn in turn, as lm-eval does
+    drawn = [rng.sample(train, 1) for _ in range(8)]
+    for s in samples:  # 0-shot: the format the methods train on
         if s["task"].startswith("gsm8k"):
-            shots = train[:1] if s["task"] == "gsm8k_fewshot" else []
+            shots = drawn[s["index"]] if s["task"] == "gsm8k_fewshot" else []
             assert s["prompt"] == data.gsm8k_prompt(gsm8k_rows[s["index"]]["question"], shots)
             assert s["correct"] == data.same_number(s["flexible"], s["gold"])
     tqa = [s for s in samples if s["task"] == "truthfulqa"]
