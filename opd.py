@@ -117,13 +117,13 @@ def draw_states(source, model, teacher, tok, batch, args, seed):
 
 
 def teacher_continuations(teacher, tok, sequences, starts, args, key):
-    """The teacher's greedy continuations at --cuts points of each trajectory, cut before a
-    stop string: (sequences, starts) of prefix + teacher tokens, trained after the prefix.
-    Trajectory i's cuts are drawn from (seed, step, first + i) = key + i: its own, however
-    the step's trajectories are shared out over processes."""
+    """The teacher's greedy continuations, cut before a stop string, at --cuts points of each
+    trajectory before its own stop string (not inside a "\n\nQuestion:"), trajectory i's drawn
+    from (seed, step, first + i) = key + i: (sequences, starts) of prefix + teacher tokens."""
     prefixes = []
     for i, (seq, start) in enumerate(zip(sequences, starts)):
-        rng, n = random.Random("/".join(map(str, (*key[:2], key[2] + i)))), len(seq) - start
+        rng = random.Random("/".join(map(str, (*key[:2], key[2] + i))))
+        n = max(1, len(tokens_before_stop(tok, seq[start:], data.GSM8K_STOP)))  # the prompt alone at the least
         prefixes += [seq[:start + t] for t in sorted(rng.sample(range(n), min(args.cuts, n)))]
     net, adapter = teacher
     with lora.use_adapter(net, adapter):
@@ -135,11 +135,11 @@ def teacher_continuations(teacher, tok, sequences, starts, args, key):
 
 
 def where_states_lie(model, teacher, sequences, starts, args, pad_id):
-    """run.log's means of where the step's states lie: the learner's NLL of the trajectories
-    (on its own rollouts, that of its samples) and, with --log-state-kl, the teacher-student
-    KL at the states (with --signal logits the loss is that KL)."""
+    """run.log's means of where the step's states lie: the learner's and the base's NLL of the
+    trajectories and, with --log-state-kl, the teacher-student KL (--signal logits: the loss)."""
     student_h, targets, _ = frozen_states(model, "default", sequences, starts, pad_id)
-    out = dict(state_nll=(-model.token_logprobs(student_h, targets).sum().item(), len(targets)))
+    out = dict(state_nll=(-model.token_logprobs(student_h, targets).sum().item(), len(targets)),
+               state_nll_base=train.base_nll(model, sequences, starts, args, pad_id))
     if args.log_state_kl and args.signal == "continuation":
         teacher_h = frozen_states(*teacher, sequences, starts, pad_id)[0]
         kl = train.token_kl(model, student_h, teacher_h, teacher[0].lm_head.weight, args.kl)

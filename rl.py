@@ -9,11 +9,11 @@ Signal source: a scalar exact-answer reward (data.is_correct: 1 if the answer eq
                (r - mean_group) / (std_group + 1e-4) shared by every token of a completion.
 
 Departures from the textbook method: no value function (the group mean is the baseline);
-no KL penalty by default (--kl-coef adds the k3 estimator against the base model, computed
-by switching the adapter off, not with a second model copy); one gradient step per batch,
-so the PPO ratio is exactly 1 and clipping only acts with --ppo-epochs > 1; the loss is a
-token-level mean over all completion tokens of the batch (end-of-text included, so the
-policy also learns when to stop) rather than a per-sequence mean.
+no KL penalty by default (--kl-coef adds the k3 estimator against the base, the adapter
+switched off); one gradient step per batch, so the PPO ratio is 1 up to the sampler's
+rounding (logged: sampler_gap, its 95th percentile, clip_frac the tokens outside the clip
+band) and clipping acts with --ppo-epochs > 1; a token-level mean over all completion
+tokens of the batch (end-of-text included, so that it learns to stop).
 
     python rl.py                       # -> out/rl
     python rl.py --max-steps 20 --out out/rl-short
@@ -100,40 +100,36 @@ def main(argv=None, reward_fn=exact_answer_reward):
         advantages = [torch.full((len(r.completion_ids),), a) for r, a in
                       zip(rollouts, group_advantages(rewards, args.group_size).tolist())]
         sampled = [torch.tensor(r.logprobs) for r in rollouts]  # the sampler's log-probs: the "old" policy
-        refs = base_logprobs(model, sequences, starts, args, tok.pad_id) if args.kl_coef > 0 else None
+
+        gaps = []  # every token's |trainer - sampler| log-prob gap: its tail shows a bf16 mismatch
 
         def loss_of(seqs, sts, part):
             logp, _ = train.sequence_logprobs(model, seqs, sts, tok.pad_id)
             cat = lambda per_sequence: torch.cat([per_sequence[i] for i in part]).to(device)  # noqa: E731
-            return policy_loss(logp, cat(sampled), cat(advantages), args.clip, None if refs is None else cat(refs),
-                               args.kl_coef)
+            gaps.append((logp.detach() - cat(sampled)).abs().cpu())  # (the last epoch's, as the other metrics)
+            ref = None
+            if args.kl_coef > 0:  # the base model is the learner with its adapter off
+                with torch.no_grad(), lora.use_adapter(model, None):
+                    ref = train.sequence_logprobs(model, seqs, sts, tok.pad_id)[0]
+            return policy_loss(logp, cat(sampled), cat(advantages), args.clip, ref, args.kl_coef)
 
         model.train()
         for _ in range(args.ppo_epochs):  # no PPO ratio+clip needed at 1 epoch: we are on policy
+            gaps.clear()
             loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, args)
             run.check_finite(step + 1, loss)
             lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args)
 
+        p95 = torch.tensor(cli.joined(torch.cat(gaps).tolist())).quantile(0.95).item()
         groups = torch.tensor(rewards).view(-1, args.group_size)
         # the states RL trains on are the policy's own: their NLL is that of its samples
-        run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens, **metrics),
+        run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens, sampler_gap_p95=p95,
+                     **metrics),
                 reward=(sum(rewards), len(rewards)), no_signal_frac=((groups.std(1) == 0).sum().item(), len(groups)),
                 completion_len=(sum(map(len, sampled)), len(rollouts)),
-                state_nll=(-sum(map(sum, (r.logprobs for r in rollouts))), sum(map(len, sampled))))
+                state_nll=(-sum(map(sum, (r.logprobs for r in rollouts))), sum(map(len, sampled))),
+                state_nll_base=train.base_nll(model, sequences, starts, args, tok.pad_id))
     print(f"done: adapter in {args.out}")
-
-
-@torch.no_grad()
-def base_logprobs(model, sequences, starts, args, pad_id):
-    """Each sequence's log-probs under the base model (the adapter off), micro-batch by
-    micro-batch as the training pass runs them: --kl-coef's reference."""
-    out = [None] * len(sequences)
-    with lora.use_adapter(model, None):
-        for part in train.micro_batches(list(map(len, sequences)), args.grad_accum, args.micro_batch_tokens):
-            logp, _ = train.sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part], pad_id)
-            for i, values in zip(part, logp.split([len(sequences[i]) - starts[i] for i in part])):
-                out[i] = values
-    return out
 
 
 if __name__ == "__main__":

@@ -343,8 +343,8 @@ class RunFolder:
             write_json(os.path.join(self.folder, "run.json"), self.record)
 
     def step_seed(self, step):
-        """The seed of a step's draws, a function of (--seed, step): a resumed run draws the same."""
-        return self.args.seed * 1_000_003 + step
+        """The seed of (--seed, step), 2^20 apart: a step's samples (step_seed + r) meet no other step's."""
+        return (self.args.seed * 1_000_003 + step) << 20
 
     def steps(self, model, optimizer, end, desc):
         """The run's steps, from 0 or (--resume) its last checkpoint up to end: before each, torch

@@ -115,6 +115,19 @@ def sequence_logprobs(model, sequences, starts, pad_id=0):
     return model.token_logprobs(states, targets), which
 
 
+@torch.no_grad()
+def base_nll(model, sequences, starts, args, pad_id=0):
+    """(summed NLL, tokens) of the trained tokens of sequences under the frozen base model (the
+    adapter off), micro-batch by micro-batch: state_nll_base, where a step's states lie,
+    measured the same way in every script (SFT's gold answers, RL's and OPD's rollouts)."""
+    total = 0.0
+    with lora.use_adapter(model, None):
+        for part in micro_batches(list(map(len, sequences)), args.grad_accum, args.micro_batch_tokens):
+            logp, _ = sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part], pad_id)
+            total -= logp.sum().item()
+    return total, sum(len(s) - start for s, start in zip(sequences, starts))
+
+
 def token_nll(logp):
     """(loss, metrics) of cross-entropy on the given target tokens: their summed NLL
     (backward divides by the step's tokens). SFT's gold tokens, OPD's teacher tokens."""

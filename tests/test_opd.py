@@ -226,6 +226,31 @@ def test_opd_targets_end_before_a_stop_string(tiny_model, data_dir, tmp_path, mo
     assert all(find_stop(tok.decode(t), data.GSM8K_STOP) == -1 and len(t) >= len(answer) for t in trained)
 
 
+def test_opd_cuts_lie_before_the_stop_string_of_the_students_rollout(tiny_model, data_dir, tmp_path, monkeypatch):
+    """A student rollout that runs on into a new question: no cut falls inside "\n\nQuestion:",
+    from where the teacher would continue the new question and the student learn to ask it."""
+    real_generate = opd.generate
+    _, tok = M.load(tiny_model)
+    answer, beyond = tok.encode(" 3 + 4 = 7.\n#### 7"), tok.encode("\n\nQuestion: Tom has 5 pens.")
+    before = tokens_before_stop(tok, answer + beyond, data.GSM8K_STOP)
+    prompts, prefixes = [], []
+
+    def student_runs_on(model, tok, inputs, *a, **k):
+        out = real_generate(model, tok, inputs, *a, **k)
+        if lora.active_adapter(model) == "default":  # the student's rollouts: the states
+            for r in out:
+                r.completion_ids = answer + beyond
+                prompts.append(r.prompt_ids)
+        else:  # the teacher continues these
+            prefixes.extend(list(p) for p in inputs)
+        return out
+    monkeypatch.setattr(opd, "generate", student_runs_on)
+    opd.main(common(tiny_model, data_dir, tmp_path / "opd", "--teacher", tiny_model, "--prompts-per-step", 2,
+                    "--max-new-tokens", 6, "--max-steps", 1, "--cuts", 100))  # every cut there is
+    cuts = sorted(len(p) - len(prompt) for p in prefixes for prompt in prompts if p[:len(prompt)] == prompt)
+    assert len(before) < len(answer + beyond) and cuts == sorted(list(range(len(before))) * 2)
+
+
 def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, data_dir, tmp_path, monkeypatch):
     sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 4, "--max-steps", 2,
                     "--lr", 1e-2))

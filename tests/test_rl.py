@@ -37,11 +37,18 @@ def test_rl_raises_the_probability_of_the_rewarded_token(tiny_model, data_dir, t
     # prompts are drawn from the whole train set, so this also checks it generalises over prompts
     assert after > 2 * before, (before, after)
     assert log[0]["reward"] < log[-1]["reward"]
+    # in fp32 the trainer computes the sampler's log-probs up to rounding, in the tail too
+    assert all(0 <= r["sampler_gap_p95"] < 1e-4 for r in log)
+    assert all(r["clip_frac"] == 0 for r in log)  # no token outside the clip band
+    # before its first update the policy is the base: the base's NLL of the step's rollouts is
+    # the sampler's own; trained on them, the policy is another model
+    assert abs(log[0]["state_nll_base"] - log[0]["state_nll"]) < 1e-4
+    assert abs(log[-1]["state_nll_base"] - log[-1]["state_nll"]) > 0.1
 
 
 def test_rl_kl_penalty_holds_the_policy_near_the_base_model(tiny_model, data_dir, tmp_path):
     before, free, _ = rewarded_token_run(tiny_model, data_dir, tmp_path / "free")
-    same, held, log = rewarded_token_run(tiny_model, data_dir, tmp_path / "held", "--kl-coef", 3)
+    same, held, log = rewarded_token_run(tiny_model, data_dir, tmp_path / "held", "--kl-coef", 1)
     assert same == before
     # the reference is the base model (the adapter switched off), which the policy equals
     # before its first update (LoRA's B starts at zero); later the policy has moved from it
@@ -106,3 +113,18 @@ def test_rl_k3_estimates_the_policys_kl_from_the_reference():
     expected = 1 - (reference[tokens] - logp.detach()).exp()
     assert torch.allclose(logp.grad, expected, rtol=1e-5, atol=1e-12)
     assert rl.policy_loss(logp, logp.detach(), zeros, 0.2, logp.detach(), kl_coef=1.0)[1]["kl"] == 0.0
+
+
+def test_every_sample_of_every_step_draws_from_a_stream_of_its_own(tiny_model, data_dir, tmp_path, monkeypatch):
+    """Sample r of a step draws from a generator seeded with the step's seed + r: steps whose seeds
+    lay next to each other would replay each other's samples, shifted by one."""
+    streams, real_generate = [], rl.generate
+
+    def record(model, tok, prompts, *a, **k):
+        streams.append({k["seed"] + r for r in range(len(prompts) * k["n"])})
+        return real_generate(model, tok, prompts, *a, **k)
+    monkeypatch.setattr(rl, "generate", record)
+    rl.main(common(tiny_model, data_dir, tmp_path / "rl", "--prompts-per-step", 2, "--group-size", 3,
+                   "--max-new-tokens", 2, "--max-steps", 3))
+    assert len(streams) == 3 and all(len(s) == 6 for s in streams)
+    assert not streams[0] & streams[1] and not streams[1] & streams[2] and not streams[0] & streams[2]

@@ -149,7 +149,7 @@ def test_a_missing_model_or_data_folder_is_one_line_from_a_script(tiny_model, da
         f"to fetch them into ~/.cache/states"], r.stderr
 
 
-LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll"}
+LOG_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens", "seconds", "state_nll", "state_nll_base"}
 
 
 @pytest.mark.parametrize("script,extra", [

@@ -32,6 +32,10 @@ def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path):
     assert after < 0.2 * before, (before, after)
     log = read_log(out)
     assert log[-1]["loss"] < 0.2 * log[0]["loss"]
+    # where the states lie under the base: at step 1, with LoRA's B still zero, the loss itself;
+    # at the end the learner has moved and its loss is far below the base's NLL of the same answers
+    assert abs(log[0]["state_nll_base"] - log[0]["loss"]) < 1e-5
+    assert log[-1]["loss"] < 0.5 * log[-1]["state_nll_base"]
 
 
 def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_the_answer(tiny_model, data_dir,
