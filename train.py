@@ -9,6 +9,9 @@ len(seq)) are trained on, each with its next token seq[t] as the target. One ste
   sequence_logprobs / sequence_states   the learner's log p(seq[t] | seq[:t]) (or its final
                                         hidden states) at every trained state, with common
                                         prefixes laid out once (shared_rows)
+  base_nll                              the same tokens under the frozen base: state_nll_base
+  token_nll, token_kl                   losses at those states: cross-entropy on given
+                                        tokens, the per-state KL to a teacher
   backward                              micro-batches under a token bound, each loss weighed
                                         by its share of the step's tokens, summed over
                                         torchrun's processes: any split, one update
