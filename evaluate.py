@@ -212,8 +212,7 @@ def done(folder, args):
     path = os.path.join(folder, "eval.json")
     if not os.path.isfile(path):
         return False
-    result = M.read_json(path)
-    sha = lora.adapter_sha256(folder) if os.path.isfile(os.path.join(folder, "adapter_config.json")) else None
+    result, sha = M.read_json(path), lora.adapter_sha256(folder)  # None for the base's folder
     return all(runs.first_difference(result.get(k, {}).get("fingerprint", {}), fingerprint(args, k, sha)) is None
                for k in columns(args))
 

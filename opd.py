@@ -139,7 +139,7 @@ def where_states_lie(model, teacher, sequences, starts, args, pad_id):
     trajectories and, with --log-state-kl, the teacher-student KL (--signal logits: the loss)."""
     student_h, targets, _ = frozen_states(model, "default", sequences, starts, pad_id)
     out = dict(state_nll=(-model.token_logprobs(student_h, targets).sum().item(), len(targets)),
-               state_nll_base=train.base_nll(model, sequences, starts, args, pad_id))
+               state_nll_base=train.base_nll(train.base_logprobs(model, sequences, starts, args, pad_id)))
     if args.log_state_kl and args.signal == "continuation":
         teacher_h = frozen_states(*teacher, sequences, starts, pad_id)[0]
         kl = train.token_kl(model, student_h, teacher_h, teacher[0].lm_head.weight, args.kl)

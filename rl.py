@@ -24,7 +24,6 @@ import torch
 
 import cli
 import data
-import lora
 import model as M
 import runs
 import train
@@ -100,6 +99,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
         advantages = [torch.full((len(r.completion_ids),), a) for r, a in
                       zip(rollouts, group_advantages(rewards, args.group_size).tolist())]
         sampled = [torch.tensor(r.logprobs) for r in rollouts]  # the sampler's log-probs: the "old" policy
+        base = train.base_logprobs(model, sequences, starts, args, tok.pad_id)  # state_nll_base, --kl-coef's reference
 
         gaps = []  # every token's |trainer - sampler| log-prob gap: its tail shows a bf16 mismatch
 
@@ -107,11 +107,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
             logp, _ = train.sequence_logprobs(model, seqs, sts, tok.pad_id)
             cat = lambda per_sequence: torch.cat([per_sequence[i] for i in part]).to(device)  # noqa: E731
             gaps.append((logp.detach() - cat(sampled)).abs().cpu())  # (the last epoch's, as the other metrics)
-            ref = None
-            if args.kl_coef > 0:  # the base model is the learner with its adapter off
-                with torch.no_grad(), lora.use_adapter(model, None):
-                    ref = train.sequence_logprobs(model, seqs, sts, tok.pad_id)[0]
-            return policy_loss(logp, cat(sampled), cat(advantages), args.clip, ref, args.kl_coef)
+            return policy_loss(logp, cat(sampled), cat(advantages), args.clip, cat(base), args.kl_coef)
 
         model.train()
         for _ in range(args.ppo_epochs):  # no PPO ratio+clip needed at 1 epoch: we are on policy
@@ -128,7 +124,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
                 reward=(sum(rewards), len(rewards)), no_signal_frac=((groups.std(1) == 0).sum().item(), len(groups)),
                 completion_len=(sum(map(len, sampled)), len(rollouts)),
                 state_nll=(-sum(map(sum, (r.logprobs for r in rollouts))), sum(map(len, sampled))),
-                state_nll_base=train.base_nll(model, sequences, starts, args, tok.pad_id))
+                state_nll_base=train.base_nll(base))
     print(f"done: adapter in {args.out}")
 
 

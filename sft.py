@@ -85,8 +85,8 @@ def main(argv=None):
         lr, grad_norm = train.optimizer_step(optimizer, step, total, args)
         # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr,
-                     grad_norm=grad_norm, tokens=n_tokens), state_nll_base=train.base_nll(model, sequences, starts, args,
-                                                                                          tok.pad_id))
+                     grad_norm=grad_norm, tokens=n_tokens),
+                state_nll_base=train.base_nll(train.base_logprobs(model, sequences, starts, args, tok.pad_id)))
     print(f"done: adapter in {args.out}")
 
 

@@ -9,7 +9,7 @@ len(seq)) are trained on, each with its next token seq[t] as the target. One ste
   sequence_logprobs / sequence_states   the learner's log p(seq[t] | seq[:t]) (or its final
                                         hidden states) at every trained state, with common
                                         prefixes laid out once (shared_rows)
-  base_nll                              the same tokens under the frozen base: state_nll_base
+  base_logprobs, base_nll               the same tokens under the frozen base: state_nll_base
   token_nll, token_kl                   losses at those states: cross-entropy on given
                                         tokens, the per-state KL to a teacher
   backward                              micro-batches under a token bound, each loss weighed
@@ -119,16 +119,22 @@ def sequence_logprobs(model, sequences, starts, pad_id=0):
 
 
 @torch.no_grad()
-def base_nll(model, sequences, starts, args, pad_id=0):
-    """(summed NLL, tokens) of the trained tokens of sequences under the frozen base model (the
-    adapter off), micro-batch by micro-batch: state_nll_base, where a step's states lie,
-    measured the same way in every script (SFT's gold answers, RL's and OPD's rollouts)."""
-    total = 0.0
+def base_logprobs(model, sequences, starts, args, pad_id=0):
+    """Each sequence's log-probs of its trained tokens under the frozen base model (the adapter
+    off), (len(seq) - start,) each, micro-batch by micro-batch as backward runs them."""
+    out = [None] * len(sequences)
     with lora.use_adapter(model, None):
         for part in micro_batches(list(map(len, sequences)), args.grad_accum, args.micro_batch_tokens):
             logp, _ = sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part], pad_id)
-            total -= logp.sum().item()
-    return total, sum(len(s) - start for s, start in zip(sequences, starts))
+            for i, values in zip(part, logp.split([len(sequences[i]) - starts[i] for i in part])):
+                out[i] = values
+    return out
+
+
+def base_nll(logprobs):
+    """(summed NLL, tokens) of base_logprobs' output: state_nll_base, where a step's states lie,
+    measured the same way in every script (SFT's gold answers, RL's and OPD's rollouts)."""
+    return -sum(lp.sum().item() for lp in logprobs), sum(map(len, logprobs))
 
 
 def token_nll(logp):
