@@ -63,6 +63,15 @@ def resolve_device(device=None, dtype=None):
     return device, dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
 
 
+def autocast_bf16(choice):
+    """--bf16 if given, else whether the CPU has bf16 products (without, bf16 is slower than fp32)."""
+    try:
+        return bool(choice) if choice is not None else bool(torch.cpu._is_avx512_bf16_supported() or
+                                                            torch.cpu._is_amx_tile_supported())
+    except AttributeError:  # private helpers of torch.cpu; without them, fp32
+        return False
+
+
 def device_from_args(args):
     """resolve_device for --device and --dtype, printing what was picked and why; under
     torchrun, this process's own GPU."""

@@ -21,6 +21,14 @@ with the base states:
   centroid            distance between the mean feature vectors
   sliced_wasserstein  mean 1-D Wasserstein-1 distance over random projections
   jaccard             mean Jaccard distance between the word sets of paired rollouts
+  kl_to_base          RL's Razor's predictor of forgetting: KL(base || run) over the
+                      vocabulary at the states of the base's own rollouts, summed over each
+                      rollout, averaged over prompts (kl_to_base)
+
+With them, where the training states lie for the base (offpolicy_gap, on the first --prompts
+train questions): state_nll_gold, its per-token NLL of the gold answers SFT trains on, and
+state_nll_reference, of its own temperature-1 samples, against which results.py reads each
+run's logged state_nll_base.
 
 Features: --features lexical (hashed word unigrams and bigrams, L2-normalised, as in the
 paper) or --features hidden (the base model's mean-pooled last hidden state of each
@@ -47,6 +55,7 @@ import data
 import lora
 import model as M
 import runs
+import train
 from sample import generate, left_pad
 
 ROUNDING = 1e-12  # MMD^2 values this close count as equal (float64 sums over up to ~10^7 kernel entries)
@@ -228,6 +237,59 @@ def featurize(model, tok, rollout_set, kind, embed="state"):
     return hidden_features(model, states, starts=starts), prompts
 
 
+# -----------------------------------------------------------------------------
+# where states lie, and how far the policy moved there: under the base model's eyes
+
+@torch.no_grad()
+def offpolicy_gap(model, tok, rows, max_new_tokens, seed=0):
+    """The base's (adapter off) mean per-token NLL of the gold answers of rows (SFT's states)
+    and of its own temperature-1 samples on the same prompts (an on-policy method's first
+    states), (gold, own): their difference is how far off-policy SFT's data is for the base,
+    and `own` the reference that a run's state_nll_base is read against."""
+    sizes = argparse.Namespace(grad_accum=1, micro_batch_tokens=2 ** 15)
+    gold = [data.gsm8k_gold_ids(tok, r) for r in rows]
+    with lora.use_adapter(model, None):
+        own = generate(model, tok, [p for p, _ in gold], max_new_tokens=max_new_tokens, temperature=1.0,
+                       stop=data.GSM8K_STOP, seed=seed)
+        nll = [train.base_nll(train.base_logprobs(model, [p + a for p, a in pairs], [len(p) for p, _ in pairs], sizes,
+                                                  tok.pad_id))
+               for pairs in (gold, [(r.prompt_ids, r.completion_ids) for r in own if r.completion_ids])]
+    return tuple(total / max(1, n) for total, n in nll)
+
+
+def report_offpolicy_gap(model_path, data_dir, prompts=200, max_new_tokens=96):
+    """Print offpolicy_gap of a base model on the first train questions (toy.py's at its defaults)."""
+    gold, own = offpolicy_gap(*M.load(model_path), data.load_gsm8k("train", data_dir)[:prompts], max_new_tokens)
+    print(f"the base's per-token NLL of SFT's gold answers {gold:.3f}, of its own temperature-1 samples on the same "
+          f"prompts {own:.3f}: SFT's states lie {gold - own:.3f} nats per token off the base's own")
+    return gold, own
+
+
+def full_rollouts(rollout_set):
+    """(token ids, prompt length) of each whole rollout in a collect() result: its longest state."""
+    longest = {}
+    for state, start, prompt in zip(rollout_set["states"], rollout_set["prompt_lengths"], rollout_set["prompts"]):
+        if prompt not in longest or len(state) > len(longest[prompt][0]):
+            longest[prompt] = (state, start)
+    return [longest[p] for p in sorted(longest)]
+
+
+@torch.no_grad()
+def kl_to_base(model, adapter, rollouts, batch_size=16):
+    """RL's Razor's predictor of forgetting (Shenfeld et al. 2025, arXiv 2509.04259):
+    KL(pi_base(.|s) || pi(.|s)), exactly over the vocabulary, at every state s of the base's
+    own rollouts (token ids, prompt length), summed over each rollout, averaged over rollouts."""
+    total, written = 0.0, [r for r in rollouts if len(r[0]) > r[1]]  # an empty rollout has no state to compare
+    for i in range(0, len(written), batch_size):
+        sequences, starts = map(list, zip(*written[i:i + batch_size]))
+        with lora.use_adapter(model, None):
+            base_h, _, _ = train.sequence_states(model, sequences, starts)
+        with lora.use_adapter(model, adapter):
+            run_h, _, _ = train.sequence_states(model, sequences, starts)
+            total += train.token_kl(model, run_h, base_h, model.lm_head.weight, "forward").sum().item()
+    return total / max(1, len(rollouts))
+
+
 # the flags that decide a drift.json's rollouts and features
 COLUMN_FLAGS = ("features", "embed", "prompts", "max_new_tokens", "temperature", "stride", "seed")
 
@@ -262,15 +324,16 @@ def add_drift_args(p):
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
 
 
-def base_rollouts(model, tok, prompts, args):
-    """The base model's rollouts of the prompts, cached in --out's drift_base.json for the runs
-    measured later: a cache serves only rollouts of the same prompts (another --data-dir has
-    others) taken with the same numbers, since another dtype or device rounds differently and
-    the paired estimator would count that as a run's drift."""
+def base_rollouts(model, tok, prompts, train_rows, args):
+    """The base model's rollouts of the prompts and its offpolicy_gap on the train rows, cached
+    in --out's drift_base.json for the runs measured later: a cache serves only rollouts of the
+    same prompts (another --data-dir has others) taken with the same numbers, since another
+    dtype or device rounds differently and the paired estimator would count that as drift."""
     settings = {k: getattr(args, k) for k in ("model", "prompts", "max_new_tokens", "temperature", "stride", "seed")}
     weight = model.lm_head.weight
     settings.update(device=weight.device.type, dtype=str(weight.dtype).removeprefix("torch."),
-                    prompts_sha256=hashlib.sha256("\0".join(prompts).encode()).hexdigest())
+                    prompts_sha256=hashlib.sha256("\0".join(prompts).encode()).hexdigest(),
+                    train_sha256=hashlib.sha256(json.dumps(train_rows).encode()).hexdigest())
     cache_path = os.path.join(args.out, "drift_base.json")
     try:  # a cache: one damaged is made again
         base = M.read_json(cache_path) if os.path.isfile(cache_path) else None
@@ -279,7 +342,8 @@ def base_rollouts(model, tok, prompts, args):
     if base is None or base["settings"] != settings or "prompts" not in base:
         lora.set_adapter(model, None)
         model.eval()
-        base = dict(settings=settings, **collect(model, tok, prompts, args))
+        gold, own = offpolicy_gap(model, tok, train_rows, args.max_new_tokens, args.seed)
+        base = dict(settings=settings, state_nll_gold=gold, state_nll_reference=own, **collect(model, tok, prompts, args))
         if not cli.RANK:  # under torchrun, one process writes
             os.makedirs(args.out, exist_ok=True)
             M.write_json(cache_path, base)
@@ -309,7 +373,8 @@ def main(argv=None):
         raise M.InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} questions; "
                            f"pass --prompts {len(test)} or fewer")
     prompts = [data.gsm8k_prompt(r["question"]) for r in test[:args.prompts]]
-    base = base_rollouts(model, tok, prompts, args)
+    base = base_rollouts(model, tok, prompts, data.load_gsm8k("train", args.data_dir)[:args.prompts], args)
+    rollouts = full_rollouts(base)
     X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
 
@@ -325,7 +390,8 @@ def main(argv=None):
                       embed=args.embed, centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
-                      n_states_base=len(X), n_states_run=len(Y), settings=base["settings"],
+                      kl_to_base=kl_to_base(model, f"run{i}", rollouts), state_nll_reference=base["state_nll_reference"],
+                      state_nll_gold=base["state_nll_gold"], n_states_base=len(X), n_states_run=len(Y), settings=base["settings"],
                       fingerprint=fingerprint(args, model.lora_config[f"run{i}"]["sha256"]))
         if not cli.RANK:
             M.write_json(os.path.join(run, args.save_as), result)

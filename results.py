@@ -1,9 +1,11 @@
 """
 The study's report: every run folder's eval.json, drift.json and log gathered into one
 table in the layout of the paper's Table 2, with the paper's numbers beside ours, seeds
-merged into a mean and a spread, and what predicts forgetting (P4): the correlations of
-MMD^2 and of the update norm with forgetting, with permutation p-values. Writes
-results.md, results.json and (with matplotlib) results.png into the study folder.
+merged into a mean and a spread, and what predicts forgetting: for each candidate (the
+update norm, MMD^2 of the states (the paper's P4), the distance of the training states
+from the base's own, the KL to the base on the target (RL's Razor's)) Spearman's rank
+correlation and R^2 with forgetting, with permutation p-values. Writes results.md,
+results.json and (with matplotlib) results.png into the study folder.
 
     python results.py out          # the table of out/'s runs
     python results.py out/toy      # reproduce.py writes it at the end of a study
@@ -39,6 +41,9 @@ PAPER = {
 RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "rl"]
 # the table's columns that come from a result with a fingerprint (eval.json's tasks; drift.json)
 COLUMNS = ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa")
+# the candidate predictors of forgetting: (column, what results.md calls it)
+PREDICTORS = (("update_norm", "update norm"), ("mmd2", "MMD^2 of the states (P4)"),
+              ("state_distance", "state distance"), ("kl_to_base", "KL to the base (RL's Razor)"))
 
 
 def condition(run_name):
@@ -84,7 +89,7 @@ def check_fingerprints(found):
 
 
 def collect_runs(root):
-    """name -> {"folder", "eval", "drift", "update_norm", "state_nll"} for the base (root's own
+    """name -> {"folder", "eval", "drift", "update_norm", "state_nll_base"} for the base (root's own
     eval.json) and each run folder in root, in the table's order; check_fingerprints first."""
     found = {}
     if os.path.isfile(os.path.join(root, "eval.json")):
@@ -100,8 +105,9 @@ def collect_runs(root):
         if os.path.isfile(os.path.join(folder, "drift.json")):
             run["drift"] = M.read_json(os.path.join(folder, "drift.json"))
         if os.path.isfile(os.path.join(folder, "log.jsonl")):
-            nll = [r["state_nll"] for r in runs.read_log(os.path.join(folder, "log.jsonl")) if r.get("state_nll") is not None]
-            run["state_nll"] = sum(nll) / len(nll) if nll else None
+            nll = [r["state_nll_base"] for r in runs.read_log(os.path.join(folder, "log.jsonl"))
+                   if r.get("state_nll_base") is not None]
+            run["state_nll_base"] = sum(nll) / len(nll) if nll else None
     check_fingerprints(found)
     rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)  # noqa: E731
     return {n: found[n] for n in sorted(found, key=lambda n: (rank(n), n))}
@@ -111,19 +117,20 @@ def table_rows(found):
     rows = []
     for name, run in found.items():
         e, d = run["eval"], run.get("drift", {})
-        ret = e.get("retention", {})
+        ret, nll, reference = e.get("retention", {}), run.get("state_nll_base"), d.get("state_nll_reference")
         rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"),
                          gsm8k_fewshot=e.get("gsm8k_fewshot", {}).get("flexible"),
                          truthfulqa=e.get("truthfulqa", {}).get("mc1"), mmlu=e.get("mmlu", {}).get("acc"),
                          mmd2=d.get("mmd2"), mmd=None if d.get("mmd2") is None else max(d["mmd2"], 0.0) ** 0.5,
                          forgetting=ret.get("forgetting"), forgetting_stderr=ret.get("forgetting_stderr"),
-                         retention=ret.get("retention"), state_nll=run.get("state_nll"),
-                         update_norm=run.get("update_norm")))
+                         retention=ret.get("retention"), update_norm=run.get("update_norm"),
+                         state_distance=None if nll is None or reference is None else nll - reference,
+                         kl_to_base=d.get("kl_to_base")))
     return rows
 
 
 METRICS = ("gsm8k", "gsm8k_fewshot", "truthfulqa", "mmlu", "mmd2", "mmd", "forgetting", "forgetting_stderr",
-           "retention", "state_nll", "update_norm")
+           "retention", "state_distance", "kl_to_base", "update_norm")
 
 
 def group_seeds(rows):
@@ -202,10 +209,12 @@ def fmt(x, spec=".3f", std=None):
     return f"{x:{spec}}" + (f"±{std:{spec}}" if std is not None else "")
 
 
+def p_value(p):
+    return f"{p:.2f}" if p >= 0.01 else f"{p:.1g}"  # two decimals, except below 0.01, where they would print 0
+
+
 def p_values(correlations):
-    # two decimals, except below 0.01, where they would print a p-value of 0
-    p = [f"{correlations[k]:.2f}" if correlations[k] >= 0.01 else f"{correlations[k]:.1g}" for k in ("spearman_p", "pearson_p")]
-    return f"p-values {p[0]} and {p[1]}"
+    return f"p-values {p_value(correlations['spearman_p'])} and {p_value(correlations['pearson_p'])}"
 
 
 def results_markdown(found):
@@ -222,8 +231,8 @@ def results_markdown(found):
     cols = [("gsm8k", "GSM8K 0-shot", ".3f", "paper"), *fewshot, ("truthfulqa", "TruthfulQA", ".3f", "paper"),
             ("mmlu", "MMLU", ".3f", "paper"), ("mmd2", "MMD^2", ".4g", "spread"), ("mmd", "MMD", ".4g", "paper"),
             ("forgetting", "forgetting", ".4f", "paper"), ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"),
-            ("retention", "retention", ".4f", "paper"), ("state_nll", "state_nll", ".3f", "spread"),
-            ("update_norm", "update norm", ".2f", "spread")]
+            ("retention", "retention", ".4f", "paper"), ("state_distance", "state distance", ".3f", "spread"),
+            ("kl_to_base", "KL to base", ".3g", "spread"), ("update_norm", "update norm", ".2f", "spread")]
     with_paper = any(row["run"] in PAPER for row in rows)
     lines = [("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "") +
              "GSM8K flexible accuracy, greedy, 0-shot in the format the methods train on" +
@@ -233,8 +242,11 @@ def results_markdown(found):
              "; forgetting and retention averaged over TruthfulQA and MMLU. "
              "forgetting s.e.: the standard error of a "
              "run's forgetting from the finite number of questions, over each question's difference from the base's "
-             "answer to it (ours alone). state_nll: mean NLL of the states each run trained on. update norm: how far "
-             "training moved the weights, the Frobenius norm of the adapter's update over all the layers it adapts "
+             "answer to it (ours alone). state distance: where the states each run trained on lie, the base's "
+             "per-token NLL of their trajectories (state_nll_base, the mean over steps) less that of its own "
+             "temperature-1 samples (0: the base's own states). KL to base: KL(base || run) at the states of the "
+             "base's own rollouts on target prompts, summed over each rollout (RL's Razor's predictor). update norm: how "
+             "far training moved the weights, the Frobenius norm of the adapter's update over all the layers it adapts "
              "(lora.update_norm).", "",
              "| run | " + " | ".join(c[1] for c in cols) + " |",
              "|---" * (len(cols) + 1) + "|"]
@@ -248,14 +260,31 @@ def results_markdown(found):
                  (f" / {fmt(paper.get(k), d)}" if with_paper and reads == "paper" else "") for k, _, d, reads in cols]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
     over = "post-trained conditions" if with_paper else "rows"
-    lines += correlation_lines(single_rows, over, with_paper, seeds)
+    lines += gap_lines(found) + correlation_lines(single_rows, over, with_paper, seeds)
     return "\n".join(lines) + "\n"
 
 
+def gap_lines(found):
+    """How far off-policy SFT's data is for the base (drift.offpolicy_gap), from a drift.json."""
+    d = next((run["drift"] for run in found.values() if "state_nll_gold" in run.get("drift", {})), None)
+    if d is None:
+        return []
+    return ["", f"Where the states lie for the base: its per-token NLL of SFT's gold answers {d['state_nll_gold']:.3f}, "
+                f"of its own temperature-1 samples on the same prompts {d['state_nll_reference']:.3f}; the gold data "
+                f"lies {d['state_nll_gold'] - d['state_nll_reference']:.3f} nats per token off the base's own states."]
+
+
+def cells(c):
+    """A predictor's cells: rows, Spearman's rho and its p-value, R^2 and its p-value."""
+    if c is None:
+        return "- | - | - | - | -"
+    return f"{c['n']} | {c['spearman']:.2f} | {p_value(c['spearman_p'])} | {c['pearson'] ** 2:.2f} | {p_value(c['pearson_p'])}"
+
+
 def correlation_lines(single_rows, over, with_paper, seeds):
-    """What results.md says under its table: MMD^2 against forgetting (P4), beside the paper's
-    Table 2, and the same question in weight space (the update norm), which the paper does
-    not ask; over the conditions, and over the single runs where there are seeds."""
+    """What results.md says under its table: MMD^2 against forgetting (P4) beside the paper's
+    Table 2, then every candidate predictor (PREDICTORS), which the paper does not compare;
+    over the conditions, and over the single runs where there are seeds."""
     lines = []
     correlations = drift_forgetting_correlations(single_rows)
     ours, single = correlations["conditions"], correlations["runs"]
@@ -270,14 +299,17 @@ def correlation_lines(single_rows, over, with_paper, seeds):
         if seeds and single:
             lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
                           f"{single['pearson']:.2f} ({p_values(single)}).")
-    correlations = drift_forgetting_correlations(single_rows, "update_norm")
-    ours, single = correlations["conditions"], correlations["runs"]
-    if ours:  # the same question in weight space, which the paper does not ask
-        lines += ["", f"The update norm against forgetting over the {ours['n']} {over}: Spearman's "
-                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} ({p_values(ours)})."]
-        if seeds and single:
-            lines[-1] += (f" Over the {single['n']} single runs: {single['spearman']:.2f} and "
-                          f"{single['pearson']:.2f} ({p_values(single)}).")
+    predictors = [(label, drift_forgetting_correlations(single_rows, key)) for key, label in PREDICTORS]
+    predictors = [(label, c) for label, c in predictors if c["conditions"]]
+    if predictors:  # P4's question asked of every candidate, the paper's own (MMD^2) among them
+        both = seeds and any(c["runs"] for _, c in predictors)
+        header = "| predictor | n | Spearman | p | R^2 | p |" + (" runs | Spearman | p | R^2 | p |" if both else "")
+        lines += ["", f"What predicts forgetting, over the {over}" + (" and over the single runs, each seed apart" if both
+                                                                          else "") +
+                  ": Spearman's rank correlation and R^2 of a straight-line fit, each with its two-sided permutation "
+                  "p-value.", "", header, "|---" * (header.count("|") - 1) + "|"]
+        lines += [f"| {label} | {cells(c['conditions'])} |" + (f" {cells(c['runs'])} |" if both else "")
+                  for label, c in predictors]
     return lines
 
 
@@ -292,8 +324,8 @@ def write_results(root, **extra):
     text, rows = results_markdown(found), table_rows(found)
     M.write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
     M.write_json(os.path.join(root, "results.json"), dict(
-        rows=rows, drift_vs_forgetting=drift_forgetting_correlations(rows),
-        update_norm_vs_forgetting=drift_forgetting_correlations(rows, "update_norm"), paper=PAPER, **extra))
+        rows=rows, predictors={key: drift_forgetting_correlations(rows, key) for key, _ in PREDICTORS}, paper=PAPER,
+        **extra))
     plot(root, rows)
     for folder in nested:
         print(f"note: {folder} holds a study of its own, left out of this table: python results.py {folder}")

@@ -4,19 +4,20 @@ canonical dataset layout, and a small Qwen3 pretrained on it from scratch, so th
 script runs on it unchanged (--data-dir out/toy/data --model out/toy/base-model).
 
 The world, deterministic from a seed:
-  gsm8k/       target task: arithmetic word problems (six templates, 2 to 4 steps) with a
-               worked rationale ending in '#### N'; train and test problems are disjoint
+  gsm8k/       target task: arithmetic word problems (six templates, 2 to 4 steps), disjoint
+               in train and test, each worked as GSM8K's are (gsm8k_style), ending '#### N'
   mmlu/        retention: four-choice questions about invented facts (capitals, diets,
                inventors), each stated in the pretraining prose; the question format is
                practised on other facts only, so the test questions are unseen
   truthfulqa/  retention: questions whose corpus also states a popular wrong answer ("people
                say ..."), so the true choice competes with a learned misconception
 
-Pretraining mixes the retention material with a limited share of target problems. The base
-model must leave room to move both ways: target accuracy between 0.2 and 0.6 and each
-retention score at least twice chance and below 0.95 (check_base, which reproduce.py runs).
-At this scale MMLU is scored with --mmlu-scoring text (the letter format stays at chance),
-and prompts are zero-shot (the context is 256 tokens).
+Pretraining mixes the retention material with a limited share of target problems written
+another way (plain sums; 2% as the dataset's), so SFT's gold answers are off-policy for the
+base, as GSM8K's are for a real one (toy.py prints by how much). It must leave room both ways:
+target accuracy 0.2 to 0.6, each retention score at least twice chance and below 0.95
+(reproduce.check_base). At this scale MMLU is scored with --mmlu-scoring text (the letter
+format stays at chance), and prompts are zero-shot (the context is 256 tokens).
 
     python toy.py                       # -> out/toy/data and out/toy/base-model
 """
@@ -25,13 +26,14 @@ import csv
 import json
 import os
 import random
-import time
+import re
 
 import torch
 from tqdm import tqdm
 
 import cli
 import data
+import drift
 import model as M
 import runs
 import train
@@ -82,6 +84,15 @@ def problem(rng):
             f"A scarf costs {a} + {d} = {a + d} dollars.\nOne hat and one scarf cost {a} + {a + d} = {2 * a + d} dollars.\n{n} pays {k} * {2 * a + d} = {k * (2 * a + d)} dollars.\n#### {k * (2 * a + d)}")
 
 
+CALCULATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+
+
+def gsm8k_style(rationale):
+    """The dataset's way of writing a rationale, GSM8K's: every calculation "a + b = c" as
+    "a+b = <<a+b=c>>c", with the calculator annotation GSM8K's annotators wrote."""
+    return CALCULATION.sub(lambda m: f"{m[1]}{m[2]}{m[3]} = <<{m[1]}{m[2]}{m[3]}={m[4]}>>{m[4]}", rationale)
+
+
 def word(rng, syllables=("ka", "lo", "mi", "ru", "ten", "vor", "zi", "pa", "nel", "shu", "dro", "bex", "fa", "gli", "wen")):
     return "".join(rng.choice(syllables) for _ in range(rng.randint(2, 3))).capitalize()
 
@@ -121,9 +132,10 @@ def misconceptions(rng, n):
     return out
 
 
-def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts_per_subject=150, n_misconceptions=400):
-    """Write the canonical dataset layout; return (retention corpus, pretraining problems),
-    the problems disjoint from the train and test splits."""
+def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts_per_subject=150, n_misconceptions=400,
+                annotated=0.0):
+    """Write the canonical dataset layout; return (retention corpus, pretraining problems): the
+    problems apart from the splits, a share `annotated` of them in gsm8k_style, the rest plain."""
     rng = random.Random(seed)
     problems = {}
     while len(problems) < n_train + n_test + n_pretrain:
@@ -133,18 +145,15 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
     os.makedirs(os.path.join(folder, "gsm8k"), exist_ok=True)
     for split, part in (("train", items[:n_train]), ("test", items[n_train:n_train + n_test])):
         with open(os.path.join(folder, "gsm8k", f"{split}.jsonl"), "w") as f:
-            f.writelines(json.dumps({"question": q, "answer": a}) + "\n" for q, a in part)
+            f.writelines(json.dumps({"question": q, "answer": gsm8k_style(a)}) + "\n" for q, a in part)
     corpus = []
     for subject, rows in facts(rng, facts_per_subject).items():
         splits = {"dev": rows[:5], "test": rows[5:75], "practice": rows[75:]}
         for split in ("dev", "test"):
             os.makedirs(os.path.join(folder, "mmlu", split), exist_ok=True)
             with open(os.path.join(folder, "mmlu", split, f"{subject}_{split}.csv"), "w", newline="") as f:
-                w = csv.writer(f)
-                w.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
-                for q, a, wrong, _ in splits[split]:
-                    k = rng.randrange(4)
-                    w.writerow([q] + wrong[:k] + [a] + wrong[k:] + [k])
+                csv.writer(f).writerows([["question", "choice0", "choice1", "choice2", "choice3", "answer"]] + [
+                    [q] + wrong[:k] + [a] + wrong[k:] + [k] for q, a, wrong, _ in splits[split] for k in [rng.randrange(4)]])
         # every fact is stated in prose; the evaluated ones in two phrasings rather than three, which
         # keeps the base model's recall below the calibration band's ceiling of 0.95
         corpus += [s for _, _, _, prose in splits["dev"] + splits["practice"] for s in prose]
@@ -166,7 +175,8 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
     os.makedirs(os.path.join(folder, "truthfulqa"), exist_ok=True)
     with open(os.path.join(folder, "truthfulqa", "mc_task.json"), "w") as f:
         json.dump(tqa, f)
-    return corpus, [f"Question: {q}\nAnswer: {a}" for q, a in items[n_train + n_test:]]
+    return corpus, [f"Question: {q}\nAnswer: {gsm8k_style(a) if i < annotated * n_pretrain else a}"
+                    for i, (q, a) in enumerate(items[n_train + n_test:])]
 
 
 # -----------------------------------------------------------------------------
@@ -186,15 +196,6 @@ def train_tokenizer(texts, path, vocab_size=512, eos="<|endoftext|>", split_digi
     return path
 
 
-def autocast_bf16(choice):
-    """--bf16 if given, else whether the CPU has bf16 products (without, bf16 is slower than fp32)."""
-    try:
-        return bool(choice) if choice is not None else bool(torch.cpu._is_avx512_bf16_supported() or
-                                                            torch.cpu._is_amx_tile_supported())
-    except AttributeError:  # private helpers of torch.cpu; without them, fp32
-        return False
-
-
 PRETRAIN_SAVE_EVERY = 100  # steps between pretraining checkpoints: under a minute of work lost to a crash
 
 
@@ -204,18 +205,18 @@ def pretrain(out, args):
     with the same arguments carry on to the weights an uninterrupted pretraining gives."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
     with runs.holding(out):  # two pretrainings into one folder would overwrite each other's checkpoints
+        world = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems, annotated=args.annotated)
         if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-            pretrain_in(data_dir, model_dir, args)
+            pretrain_in(*world, model_dir, args)
     return data_dir, model_dir
 
 
-def pretrain_in(data_dir, model_dir, args):
+def pretrain_in(corpus, problems, model_dir, args):
     checkpoint_path, tok_path = os.path.join(model_dir, "pretrain-checkpoint.pt"), os.path.join(model_dir, "tokenizer.json")
     checkpoint = torch.load(checkpoint_path, weights_only=True) if os.path.isfile(checkpoint_path) else None
     if checkpoint is not None and (checkpoint["args"] != vars(args) or not os.path.isfile(tok_path)):
         print(f"note: {checkpoint_path} is from other settings; pretraining starts again")
         checkpoint = None
-    corpus, problems = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems)
     rng = random.Random(args.world_seed)
     docs = corpus * args.retention_repeats + problems
     os.makedirs(model_dir, exist_ok=True)
@@ -225,12 +226,12 @@ def pretrain_in(data_dir, model_dir, args):
                            num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.heads // 2,
                            head_dim=args.hidden // args.heads, rms_norm_eps=1e-6, rope_theta=10000.0,
                            tie_word_embeddings=True, max_position_embeddings=1024, eos_token_id=0)
-    net, g = M.Qwen3(config), torch.Generator().manual_seed(args.world_seed)
+    net, g = M.Qwen3(config), torch.Generator().manual_seed(args.world_seed)  # in training mode, as a new module is
     for name, p in net.named_parameters():  # normal(0, 0.02), norms at one
         p.data = torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02
     tok = M.Tokenizer(tok_path, 0)
     stream = torch.tensor([t for d in rng.sample(docs, len(docs)) for t in tok.encode(d) + [tok.eos_id]])  # end to end
-    bf16 = autocast_bf16(args.bf16)
+    bf16 = cli.autocast_bf16(args.bf16)
     print(f"pretraining {sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters on {len(stream) / 1e6:.2f}M "
           f"tokens, {args.pretrain_steps} steps of {args.batch} x {args.context}, {'bf16' if bf16 else 'fp32'}")
     opt = torch.optim.AdamW(net.parameters(), lr=args.pretrain_lr, weight_decay=0.1, betas=(0.9, 0.95))
@@ -241,7 +242,6 @@ def pretrain_in(data_dir, model_dir, args):
         opt.load_state_dict(checkpoint["optimizer"])
         g.set_state(checkpoint["sampler"])
         print(f"resuming pretraining at step {start} from {checkpoint_path}")
-    net.train()
     bar = tqdm(range(start, args.pretrain_steps), initial=start, total=args.pretrain_steps, desc="pretrain")
     for step in bar:
         starts = torch.randint(0, (len(stream) - 1) // args.context, (args.batch,), generator=g) * args.context
@@ -268,6 +268,7 @@ def pretrain_in(data_dir, model_dir, args):
 def add_toy_args(p):
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
     p.add_argument("--target-problems", type=cli.number(int, 0), default=1300, help="target problems to pretrain on")
+    p.add_argument("--annotated", type=cli.number(float, 0), default=0.02, help="share of them written as GSM8K's")
     p.add_argument("--retention-repeats", type=cli.number(int, 1), default=2, help="copies of the retention corpus")
     p.add_argument("--pretrain-steps", type=cli.number(int, 1), default=1100, help="pretraining steps")
     p.add_argument("--pretrain-lr", type=cli.number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
@@ -278,8 +279,7 @@ def add_toy_args(p):
     p.add_argument("--hidden", type=cli.number(int, 2), default=256, help="hidden size")
     p.add_argument("--layers", type=cli.number(int, 1), default=4, help="transformer blocks")
     p.add_argument("--heads", type=cli.number(int, 2), default=4, help="attention heads (half as many key/value heads)")
-    p.add_argument("--bf16", type=int, choices=[0, 1], default=None,
-                   help="bf16 autocast in pretraining (default: 1 where the CPU has bf16 instructions, else 0)")
+    p.add_argument("--bf16", type=int, choices=[0, 1], default=None, help="bf16 autocast (default: 1 where the CPU has bf16)")
 
 
 def main(argv=None):
@@ -291,9 +291,9 @@ def main(argv=None):
         p.error(f"--hidden {args.hidden} --heads {args.heads}: the heads must be even in number (half as many key/value "
                 f"heads) and split the hidden size into heads of even size (rotary turns pairs of features)")
     print(vars(args))
-    t0 = time.time()
     data_dir, model_dir = pretrain(args.out, args)
-    print(f"world in {data_dir}, base model in {model_dir} ({time.time() - t0:.0f}s)")
+    print(f"world in {data_dir}, base model in {model_dir}")
+    drift.report_offpolicy_gap(model_dir, data_dir)
 
 
 if __name__ == "__main__":

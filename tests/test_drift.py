@@ -218,6 +218,7 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
     other_data.mkdir(parents=True)
     test_lines = (Path(data_dir) / "gsm8k" / "test.jsonl").read_text().splitlines(keepends=True)
     (other_data / "test.jsonl").write_text("".join(test_lines[6:12]))
+    (other_data / "train.jsonl").write_text("".join(test_lines[:6]))  # where the reference is measured
     for tokens, dtype, folder in (("12", "fp32", data_dir), ("20", "fp32", data_dir), ("20", "bf16", data_dir),
                                   ("20", "bf16", other_data.parent)):
         drift.main([str(run), "--model", tiny_model, "--data-dir", str(folder), "--out", str(tmp_path / "out"),
@@ -230,6 +231,7 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
         assert result["mmd2_unpaired"] < 0 and result["p_value_unpaired"] == 1.0  # the pairing's pull below zero
         assert result["centroid"] == 0.0 and result["sliced_wasserstein"] == 0.0 and result["jaccard"] == 0.0
         assert result["n_states_run"] == result["n_states_base"] >= 6
+        assert result["kl_to_base"] == 0.0 and result["state_nll_gold"] > result["state_nll_reference"] > 0
     with pytest.raises(M.InputError, match="--prompts 7: the GSM8K test split holds 6 questions; pass --prompts 6 or fewer"):
         drift.main([str(run), "--model", tiny_model, "--data-dir", str(other_data.parent), "--out", str(tmp_path / "out"),
                     "--prompts", "7"])
@@ -242,3 +244,62 @@ def test_drift_cli_names_bad_arguments(capsys):
     assert "argument --prompts: must be at least 2, got 1: MMD^2 compares states of different prompts" in capsys.readouterr().err
     with pytest.raises(M.InputError, match="a file name ending in .json"):
         drift.main(["out/stress", "--save-as", "out/d.json"])
+
+
+def test_offpolicy_gap_is_the_bases_nll_of_gold_answers_and_of_its_own_samples(tiny_model, data_dir):
+    """Measured with the adapter off, whatever adapter is active: each NLL is checked against a
+    plain forward pass of the base per sequence, and the own samples against generate's."""
+    import data
+    import lora
+    from conftest import randomize_adapter
+    from sample import generate
+    net, tok = M.load(tiny_model, "cpu", torch.float32)
+    base, _ = M.load(tiny_model, "cpu", torch.float32)
+    lora.add_lora(net, rank=2, alpha=4)
+    randomize_adapter(net)
+    rows = data.load_gsm8k("train", data_dir)[:4]
+    gold, own = drift.offpolicy_gap(net, tok, rows, max_new_tokens=12, seed=3)
+
+    def nll(pairs):  # (prompt ids, continuation ids): the base's mean per-token NLL of the continuations
+        total, n = 0.0, 0
+        for prompt, rest in pairs:
+            with torch.no_grad():
+                logp = base(torch.tensor([prompt + rest]))[0, len(prompt) - 1:-1].float().log_softmax(-1)
+            total -= logp.gather(1, torch.tensor(rest)[:, None]).sum().item()
+            n += len(rest)
+        return total / n
+    assert abs(gold - nll([data.gsm8k_gold_ids(tok, r) for r in rows])) < 1e-4
+    samples = generate(base, tok, [data.gsm8k_prompt(r["question"]) for r in rows], max_new_tokens=12, temperature=1.0,
+                       stop=data.GSM8K_STOP, seed=3)
+    assert abs(own - nll([(s.prompt_ids, s.completion_ids) for s in samples])) < 1e-4
+    assert abs(own + sum(map(sum, (s.logprobs for s in samples))) / sum(len(s.logprobs) for s in samples)) < 1e-4
+    assert abs(gold - own) > 0.1  # a random model does not write GSM8K's solutions
+
+
+def test_kl_to_base_is_rl_razors_kl_from_the_base_over_the_vocabulary(tiny_model):
+    """KL(pi_base || pi) at every state of each rollout, summed over the rollout, averaged over
+    rollouts (an empty one counts as zero): against a plain per-sequence computation; the
+    other direction gives another number, and an adapter that computes the base gives 0."""
+    import lora
+    from conftest import randomize_adapter
+    net, tok = M.load(tiny_model, "cpu", torch.float32)
+    lora.add_lora(net, rank=2, alpha=4, name="run")
+    lora.add_lora(net, rank=2, alpha=4, name="fresh")  # B = 0: the base itself
+    randomize_adapter(net, "run", scale=0.3)
+    prompts = [tok.encode("Question: 3 apples and 4 pears?\nAnswer:"), tok.encode("Question: 12?\nAnswer:")]
+    rollouts = [(prompts[0] + tok.encode(" 3 + 4 = 7 fruit."), len(prompts[0])),
+                (prompts[1] + tok.encode(" 12"), len(prompts[1])), (prompts[1], len(prompts[1]))]
+
+    def plain(first, second):  # sum over states of KL(first || second), mean over rollouts
+        total = 0.0
+        for ids, start in rollouts:
+            logp = {}
+            for name in (first, second):
+                with lora.use_adapter(net, name), torch.no_grad():
+                    logp[name] = net(torch.tensor([ids]))[0, start - 1:-1].float().log_softmax(-1)
+            total += (logp[first].exp() * (logp[first] - logp[second])).sum().item()
+        return total / len(rollouts)
+    got = drift.kl_to_base(net, "run", rollouts, batch_size=2)
+    assert abs(got - plain(None, "run")) < 1e-5 and got > 1e-3
+    assert abs(got - plain("run", None)) > 1e-4  # KL(run || base) is another number
+    assert drift.kl_to_base(net, "fresh", rollouts) == 0.0

@@ -55,7 +55,7 @@ def test_drift_against_forgetting_correlations():
     assert (f"over the 3 post-trained conditions: Spearman's rank correlation 0.50, Pearson's {pearson:.2f} (two-sided "
             f"permutation p-values 1.00 and ") in table
     assert "; the paper's Table 2, 5 runs: 0.20 and -0.08, p-values 0.78 and 0.88). Over the 6 single runs" in table
-    assert "update norm against forgetting" not in table  # no adapter files, no update norms
+    assert "\n| update norm |" not in table  # no adapter files, no update norms: no predictor row
 
     # the same question in weight space: the adapters' update norms against forgetting
     norms = {"mild": 1.0, "mild-seed1": 3.0, "stress": 9.0, "stress-seed1": 11.0, "rl": 2.0, "rl-seed1": 2.0}
@@ -63,10 +63,10 @@ def test_drift_against_forgetting_correlations():
             (("mild", 0.0), ("mild-seed1", 0.02), ("stress", 0.3), ("stress-seed1", 0.5), ("rl", 0.01), ("rl-seed1", 0.03))}
     table = R.results_markdown(runs)
     pearson = np.corrcoef([2, 10, 2], [0.01, 0.4, 0.02])[0, 1]
-    assert (f"The update norm against forgetting over the 3 post-trained conditions: Spearman's 0.87, Pearson's "
-            f"{pearson:.2f} (p-values ") in table  # ranks 1.5, 3, 1.5 against 1, 3, 2
+    # ranks 1.5, 3, 1.5 against 1, 3, 2; the six pairings of three rows give |rho| 0.87 four times and 0 twice
+    assert f"| update norm | 3 | 0.87 | 0.67 | {pearson ** 2:.2f} | " in table
     assert "| stress | " in table and " | 10.00±1.41 |" in table
-    header, rule, *rows = [line for line in table.splitlines() if line.startswith("|")]
+    header, rule, *rows = [line for line in table.split("\n\n")[1].splitlines() if line.startswith("|")]
     assert {line.count("|") for line in [header, rule] + rows} == {header.count("|")}  # no cell breaks the columns
 
 
@@ -79,13 +79,13 @@ def test_a_table_without_evaluations_or_a_call_without_runs_says_what_to_do(tmp_
         capsys.readouterr().err
 
 
-def test_a_log_line_cut_short_by_a_killed_run_is_left_out_of_the_state_nll(tmp_path):
+def test_a_log_line_cut_short_by_a_killed_run_is_left_out_of_the_state_nll_base(tmp_path):
     (tmp_path / "eval.json").write_text("{}")
     run = tmp_path / "stress"
     run.mkdir()
     (run / "eval.json").write_text("{}")
-    (run / "log.jsonl").write_text('{"step": 1, "state_nll": 2.0}\n{"step": 2, "state_nll": 4.0}\n{"step": 3, "sta')
-    assert R.collect_runs(str(tmp_path))["stress"]["state_nll"] == 3.0
+    (run / "log.jsonl").write_text('{"step": 1, "state_nll_base": 2.0}\n{"step": 2, "state_nll_base": 4.0}\n{"step": 3, "sta')
+    assert R.collect_runs(str(tmp_path))["stress"]["state_nll_base"] == 3.0
 
 
 def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
@@ -95,7 +95,7 @@ def test_table_of_rows_outside_the_paper_gives_our_numbers_alone():
     table = R.results_markdown({"step-000010": run(3e-5, 0.1), "step-000020": run(2e-5, 0.3),
                                 "step-000030": run(1e-5, 0.2)})
     assert "paper" not in table and " / " not in table
-    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.004472 | 0.3000 | - | - | - | - |" in table
+    assert "| step-000020 | 0.500 | - | - | 2e-05 | 0.004472 | 0.3000 | - | - | - | - | - |" in table
     pearson = np.corrcoef([3, 2, 1], [0.1, 0.3, 0.2])[0, 1]
     assert f"MMD^2 against forgetting (P4) over the 3 rows: Spearman's rank correlation -0.50, Pearson's {pearson:.2f} (" in table
     # one paper condition among them brings the paper's column back for every row
@@ -123,10 +123,10 @@ def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, d
     table = R.write_results(str(out / "stress" / "snapshots"))
     rows = [line for line in table.splitlines() if line.startswith("| step-")]
     assert [row.split(" | ")[0] for row in rows] == ["| step-000001", "| step-000002"]
-    for row in rows:  # drift, forgetting against the base, the log's state_nll and the update norm are all there
-        run, gsm8k, fewshot, tqa, mmlu, mmd2, mmd, forgetting, stderr, retention, state_nll, update_norm = \
+    for row in rows:  # drift, forgetting against the base, the state distance, the KL and the update norm are all there
+        run, gsm8k, fewshot, tqa, mmlu, mmd2, mmd, forgetting, stderr, retention, distance, kl, update_norm = \
             row.strip("| ").split(" | ")
-        assert "-" not in (gsm8k, fewshot, mmd2, mmd, forgetting, stderr, state_nll, update_norm), row  # a random base may score 0: no retention
+        assert "-" not in (gsm8k, fewshot, mmd2, mmd, forgetting, stderr, distance, kl, update_norm), row  # a random base may score 0: no retention
 
 
 def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured_again(tiny_model, data_dir, tmp_path):
@@ -242,3 +242,31 @@ def test_a_table_of_a_folder_that_holds_studies_names_them(tmp_path, capsys):
     assert "| base |" in table and "| toy |" not in table and "| mild |" not in table
     assert f"note: {tmp_path / 'out' / 'toy'} holds a study of its own" in capsys.readouterr().out
     assert "| mild |" in R.write_results(str(tmp_path / "out" / "toy"))
+
+
+def test_state_distance_and_the_four_predictors_of_forgetting():
+    """state distance = a run's mean state_nll_base less the base's reference (drift.json);
+    each predictor's Spearman and R^2 against forgetting, with p-values, over conditions and runs."""
+    def run(nll, kl, forgetting, norm):
+        return {"eval": {"retention": {"forgetting": forgetting}}, "state_nll_base": nll, "update_norm": norm,
+                "drift": {"mmd2": kl / 10, "kl_to_base": kl, "state_nll_reference": 0.5, "state_nll_gold": 1.5}}
+    found = {"mild": run(1.4, 1.0, 0.0, 2.0), "mild-seed1": run(1.6, 2.0, 0.01, 3.0),
+             "stress": run(1.5, 9.0, 0.4, 50.0), "stress-seed1": run(1.7, 7.0, 0.3, 54.0),
+             "rl": run(0.6, 3.0, 0.02, 1.0), "rl-seed1": run(0.8, 4.0, 0.03, 2.0)}
+    rows = R.table_rows(found)
+    assert [round(r["state_distance"], 9) for r in rows] == [0.9, 1.1, 1.0, 1.2, 0.1, 0.3]
+    table = R.results_markdown(found)
+    assert "| mild | - / 0.512 |" in table and "| 1.000±0.141 | 1.5±0.707 |" in table  # state distance, KL to base
+    assert "gold data lies 1.000 nats per token off the base's own states" in table
+    grouped = R.group_seeds(rows)  # conditions: mild, stress, rl
+    forgetting = [g["forgetting"] for g in grouped]
+    for key, label in R.PREDICTORS:
+        x = [g[key] for g in grouped]
+        rho = np.corrcoef(np.argsort(np.argsort(x)), np.argsort(np.argsort(forgetting)))[0, 1]
+        r2 = np.corrcoef(x, forgetting)[0, 1] ** 2
+        single = R.drift_vs_forgetting(rows, key)
+        assert (f"| {label} | 3 | {rho:.2f} | " in table and f" | {r2:.2f} | " in table and
+                " runs | Spearman |" in table and f"| 6 | {single['spearman']:.2f} | " in table), label
+    # over the six runs the KL ranks forgetting perfectly: its permutation p is the share of 720 orders as extreme
+    assert R.drift_vs_forgetting(rows, "kl_to_base")["spearman"] == 1.0
+    assert R.drift_vs_forgetting(rows, "kl_to_base")["spearman_p"] == 2 / 720

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import cli
 import data
 import model as M
 import toy
@@ -42,11 +43,18 @@ def test_world_is_deterministic_parses_and_is_right(tmp_path):
     assert not train_q & test_q and not pretrain_questions & (train_q | test_q)
     ops = {"+": operator.add, "-": operator.sub, "*": operator.mul, "/": operator.truediv}
     for row in train + test:  # every step of every rationale is right, and the final answer is the last result
-        steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", row["answer"])
+        steps = re.findall(r"(\d+)([-+*/])(\d+) = <<\1\2\3=(\d+)>>\4\b", row["answer"])  # annotated, as GSM8K's
         assert len(steps) == len(row["answer"].splitlines()) - 1 >= 2
         for a, op, b, c in steps:
             assert ops[op](int(a), int(b)) == int(c), row["answer"]
         assert steps[-1][3] == row["gold"]
+    for problem in problems_a:  # the base pretrains on the same kind of rationale written another way: plain sums
+        steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", problem)
+        assert "<<" not in problem and len(steps) == len(problem.splitlines()) - 2 >= 2
+    _, some = toy.write_world(str(tmp_path / "d"), seed=3, n_pretrain=300, n_train=300, n_test=100, facts_per_subject=90,
+                              n_misconceptions=40, annotated=0.1)  # a real base has seen a little of the dataset's way
+    assert [p for p in some if "<<" not in p] == problems_a[30:] and world_files(tmp_path / "d") == world_files(tmp_path / "a")
+    assert [toy.gsm8k_style(p) for p in problems_a[:30]] == some[:30]
     dev, tst = data.load_mmlu("dev", root), data.load_mmlu("test", root)
     assert sorted(dev) == sorted(tst) == ["toy_biology", "toy_geography", "toy_history"]
     dev_q = {r["question"] for rows in dev.values() for r in rows}
@@ -79,8 +87,8 @@ def test_toy_mini_study_runs_end_to_end(tmp_path):
 def test_pretraining_autocasts_to_bf16_by_default_only_where_the_cpu_has_bf16_products():
     with open("/proc/cpuinfo") as f:
         flags = {flag for line in f if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
-    assert toy.autocast_bf16(None) == bool(flags & {"avx512_bf16", "amx_bf16"})
-    assert toy.autocast_bf16(1) is True and toy.autocast_bf16(0) is False  # --bf16 given wins
+    assert cli.autocast_bf16(None) == bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert cli.autocast_bf16(1) is True and cli.autocast_bf16(0) is False  # --bf16 given wins
 
 
 def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypatch, capsys):
