@@ -246,15 +246,17 @@ def offpolicy_gap(model, tok, rows, max_new_tokens, seed=0):
     and of its own temperature-1 samples on the same prompts (an on-policy method's first
     states), (gold, own): their difference is how far off-policy SFT's data is for the base,
     and `own` the reference that a run's state_nll_base is read against."""
-    sizes = argparse.Namespace(grad_accum=1, micro_batch_tokens=2 ** 15)
+    passes = argparse.Namespace(grad_accum=1, micro_batch_tokens=2 ** 15)  # train.base_logprobs' micro-batches
+
+    def nll(pairs):  # the base's mean per-token NLL of each (prompt ids, continuation ids)'s continuation
+        total, n = train.base_nll(train.base_logprobs(model, [p + c for p, c in pairs], [len(p) for p, _ in pairs],
+                                                      passes, tok.pad_id))
+        return total / max(1, n)
     gold = [data.gsm8k_gold_ids(tok, r) for r in rows]
     with lora.use_adapter(model, None):
         own = generate(model, tok, [p for p, _ in gold], max_new_tokens=max_new_tokens, temperature=1.0,
                        stop=data.GSM8K_STOP, seed=seed)
-        nll = [train.base_nll(train.base_logprobs(model, [p + a for p, a in pairs], [len(p) for p, _ in pairs], sizes,
-                                                  tok.pad_id))
-               for pairs in (gold, [(r.prompt_ids, r.completion_ids) for r in own if r.completion_ids])]
-    return tuple(total / max(1, n) for total, n in nll)
+        return nll(gold), nll([(r.prompt_ids, r.completion_ids) for r in own if r.completion_ids])
 
 
 def report_offpolicy_gap(model_path, data_dir, prompts=200, max_new_tokens=96):
