@@ -18,6 +18,10 @@ Signal source: the teacher, queried at those states.
                distributions at every state of the trajectory, the one-step variant the
                paper saw collapse (GSM8K 0.040, its section 6). --kl forward is its eq. 7,
                KL(teacher || student); --kl reverse is the usual OPD objective.
+  --signal sampled, the OPD most used today (the tinker cookbook's, TRL's, verl's): the
+               advantage A_t = log pi_T(y_t|s_t) - log pi_S(y_t|s_t) at the drawn token,
+               detached, through RL's clipped policy loss; on the student's states, a
+               one-sample estimate of the gradient of --signal logits --kl reverse.
 
 A teacher is a run folder (the base model + that run's adapter) or a model id. A run-folder
 teacher shares the student's frozen base weights in memory: only the active adapter
@@ -31,12 +35,11 @@ import argparse
 import os
 import random
 
-import torch
-
 import cli
 import data
 import lora
 import model as M
+import rl
 import runs
 import train
 from sample import generate, tokens_before_stop
@@ -47,20 +50,18 @@ def parse_args(argv):
     p.add_argument("--teacher", required=True, help="run folder (base + its adapter) or a model id / folder")
     p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>, + "
                                                "-teacher-states or -data-states for those state sources)")
-    p.add_argument("--signal", choices=["continuation", "logits"], default="continuation", help="what the teacher supplies")
+    p.add_argument("--signal", choices=["continuation", "logits", "sampled"], default="continuation", help="the signal (above)")
     p.add_argument("--kl", choices=["forward", "reverse"], default="forward",
                    help="KL direction for --signal logits: forward KL(teacher || student), the paper's eq. 7, or reverse")
     p.add_argument("--state-source", choices=["student", "teacher", "data"], default="student",
-                   help="whose trajectories the states are: the student's rollouts (OPD), the teacher's (offline "
-                        "distillation) or GSM8K's gold solutions")
+                   help="whose trajectories: the student's (OPD), the teacher's (offline distillation) or the gold ones")
     p.add_argument("--steps", type=cli.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
     p.add_argument("--prompts-per-step", type=cli.number(int, 1), default=8, help="prompts per step, one trajectory each")
     p.add_argument("--temperature", type=cli.number(float, 0), default=1.0, help="sampling temperature of the states")
     p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="longest state trajectory (or gold one)")
     p.add_argument("--cuts", type=cli.number(int, 1), default=4, help="cut points per trajectory the teacher continues")
     p.add_argument("--continuation-tokens", type=cli.number(int, 1), default=32, help="longest teacher continuation")
-    p.add_argument("--log-state-kl", action="store_true",
-                   help="also log state_kl, the mean teacher-student KL at the states (a teacher pass over them)")
+    p.add_argument("--log-state-kl", action="store_true", help="also log state_kl, the teacher-student KL at the states")
     cli.add_training_args(p, lr=1e-4, rank=16, alpha=32)
     args = p.parse_args(argv)
     source = "" if args.state_source == "student" else f"-{args.state_source}-states"
@@ -87,17 +88,6 @@ def load_teacher(model, tok, args):
     if teacher_tok.tok.get_vocab() != tok.tok.get_vocab():
         raise mismatch
     return teacher, None
-
-
-@torch.no_grad()
-def frozen_states(net, adapter, sequences, starts, pad_id):
-    """A model's final hidden states at the trained states with `adapter` active, in eval mode
-    (no adapter dropout, also amid the student's training pass on the shared base)."""
-    training = net.training
-    with lora.use_adapter(net.eval(), adapter):
-        out = train.sequence_states(net, sequences, starts, pad_id)
-    net.train(training)
-    return out
 
 
 def draw_states(source, model, teacher, tok, batch, args, seed):
@@ -137,11 +127,11 @@ def teacher_continuations(teacher, tok, sequences, starts, args, key):
 def where_states_lie(model, teacher, sequences, starts, args, pad_id):
     """run.log's means of where the step's states lie: the learner's and the base's NLL of the
     trajectories and, with --log-state-kl, the teacher-student KL (--signal logits: the loss)."""
-    student_h, targets, _ = frozen_states(model, "default", sequences, starts, pad_id)
+    student_h, targets, _ = train.frozen_states(model, "default", sequences, starts, pad_id)
     out = dict(state_nll=(-model.token_logprobs(student_h, targets).sum().item(), len(targets)),
                state_nll_base=train.base_nll(train.base_logprobs(model, sequences, starts, args, pad_id)))
-    if args.log_state_kl and args.signal == "continuation":
-        teacher_h = frozen_states(*teacher, sequences, starts, pad_id)[0]
+    if args.log_state_kl and args.signal != "logits":
+        teacher_h = train.frozen_states(*teacher, sequences, starts, pad_id)[0]
         kl = train.token_kl(model, student_h, teacher_h, teacher[0].lm_head.weight, args.kl)
         out["state_kl"] = (kl.sum().item(), len(kl))
     return out
@@ -186,14 +176,22 @@ def main(argv=None):
 
 def signal_loss(model, teacher, sequences, starts, args, pad_id):
     """(loss, metrics) of one micro-batch, summed over its trained tokens: cross-entropy on
-    the teacher's continuation tokens, or the per-state KL to the teacher."""
+    the teacher's continuation tokens, the per-state KL to the teacher, or the sampled signal."""
     if args.signal == "continuation":
         return train.token_nll(train.sequence_logprobs(model, sequences, starts, pad_id)[0])
-    student_h = train.sequence_states(model, sequences, starts, pad_id)[0]
+    student_h, targets, _ = train.sequence_states(model, sequences, starts, pad_id)
     # the teacher runs on the pass's own batch: where the models agree, KL and gradient are
     # then exactly zero, not the noise of two batch shapes that Adam would scale up
-    teacher_h = frozen_states(*teacher, sequences, starts, pad_id)[0]
+    teacher_h = train.frozen_states(*teacher, sequences, starts, pad_id)[0]
+    if args.signal == "sampled":
+        return sampled_token_loss(model.token_logprobs(student_h, targets), teacher[0].token_logprobs(teacher_h, targets))
     return train.token_kl(model, student_h, teacher_h, teacher[0].lm_head.weight, args.kl).sum(), {}
+
+
+def sampled_token_loss(logp, teacher_logp, clip=0.2):
+    """--signal sampled on tokens (N,): A = log pi_T - log pi_S, detached, through rl.policy_loss (ratio 1:
+    one step a batch). Its gradient -A grad log pi_S(y) averages over y ~ pi_S to that of KL(pi_S || pi_T)."""
+    return rl.policy_loss(logp, logp.detach(), (teacher_logp - logp).detach(), clip)
 
 
 if __name__ == "__main__":

@@ -2,9 +2,10 @@
 The whole study in one command: the base evaluation, mild and stress SFT, OPD from each
 SFT teacher, one-step logit-KL OPD, on-policy RL; evaluation and rollout-state drift of
 every run; then results.md / results.json in the paper's Table 2 layout with the paper's
-numbers beside ours. One condition goes beyond the paper: kd-stress, OPD from the stress
+numbers beside ours. Two conditions go beyond the paper: kd-stress, OPD from the stress
 teacher with the teacher's own rollouts as states (offline distillation), so that
-opd-stress and kd-stress differ in the state source alone.
+opd-stress and kd-stress differ in the state source alone; and opd-sampled, the OPD most
+used today (the teacher's log-ratio at the student's sampled token as an advantage).
 
     python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py), offline
     python reproduce.py --preset toy --seeds 3
@@ -46,8 +47,8 @@ NOT_SETTINGS = ("resume", "out", "model", "data_dir", "device", "dtype", "recomp
 
 
 def runs_of(out, seed=0):
-    """name -> (script, arguments): the six post-training conditions of the paper and
-    kd-stress (opd-stress on the teacher's states instead of the student's). Seed 0
+    """name -> (script, arguments): the six post-training conditions of the paper,
+    kd-stress (opd-stress on the teacher's states) and opd-sampled. Seed 0
     writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD teachers too)."""
     tag = f"-seed{seed}" if seed else ""
     conditions = {
@@ -57,6 +58,7 @@ def runs_of(out, seed=0):
         "opd-stress": ("opd", ["--teacher", os.path.join(out, "stress" + tag)]),
         "kd-stress": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--state-source", "teacher"]),
         "opd-logits": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--signal", "logits"]),
+        "opd-sampled": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--signal", "sampled"]),
         "rl": ("rl", []),
     }
     return {name + tag: (script, [*argv, "--seed", str(seed)]) for name, (script, argv) in conditions.items()}

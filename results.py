@@ -37,8 +37,8 @@ PAPER = {
     "opd-logits": dict(gsm8k=0.040),
     "rl": dict(gsm8k=0.472, truthfulqa=0.290, mmlu=0.442, mmd=0.01098, forgetting=0.0020, retention=0.9902),
 }
-# the table's row order: the paper's, with kd-stress (not in the paper) beside the run it contrasts
-RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "rl"]
+# the table's row order: the paper's, with kd-stress and opd-sampled (not in the paper) beside the runs they contrast
+RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl"]
 # the table's columns that come from a result with a fingerprint (eval.json's tasks; drift.json)
 COLUMNS = ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa")
 # the candidate predictors of forgetting: (column, what results.md calls it)

@@ -119,6 +119,17 @@ def sequence_logprobs(model, sequences, starts, pad_id=0):
 
 
 @torch.no_grad()
+def frozen_states(net, adapter, sequences, starts, pad_id=0):
+    """sequence_states of a model with `adapter` active (None: the base), in eval mode (no
+    adapter dropout, also amid a training pass on the shared base), without a gradient."""
+    training = net.training
+    with lora.use_adapter(net.eval(), adapter):
+        out = sequence_states(net, sequences, starts, pad_id)
+    net.train(training)
+    return out
+
+
+@torch.no_grad()
 def base_logprobs(model, sequences, starts, args, pad_id=0):
     """Each sequence's log-probs of its trained tokens under the frozen base model (the adapter
     off), (len(seq) - start,) each, micro-batch by micro-batch as backward runs them."""

@@ -362,3 +362,33 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkey
     opd.main(common(tiny_models["tied"], data_dir, tmp_path / "same", "--teacher", tmp_path / "copy", "--max-steps", 1,
                     "--prompts-per-step", 1, "--max-new-tokens", 4))
     assert len(read_log(tmp_path / "same")) == 1
+
+
+def test_the_sampled_signal_averages_to_the_reverse_kl_gradient_of_the_logit_signal():
+    """--signal sampled: at one state, the mean gradient over many tokens drawn from the
+    student is the closed-form gradient of KL(student || teacher) within Monte Carlo error,
+    an error small enough that the opposite sign would fail; and each draw's own gradient is
+    -A (e_y - p_s) exactly, as with a detached advantage (attached, it would be (1 - A)(e_y - p_s))."""
+    V, N = 6, 200_000
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(V, generator=g, dtype=torch.float64).requires_grad_()
+    log_t = torch.randn(V, generator=g, dtype=torch.float64).log_softmax(-1)
+    log_s = z.log_softmax(-1)
+    p = log_s.exp().detach()
+    y = torch.multinomial(p, N, replacement=True, generator=g)
+    loss, _ = opd.sampled_token_loss(log_s[y], log_t[y])
+    (loss / N).backward()
+    kl = (p * (log_s.detach() - log_t)).sum()
+    closed = p * (log_s.detach() - log_t - kl)  # d KL(s || t) / dz, as train.token_kl's reverse direction forms it
+    advantage = (log_t - log_s.detach())[y]
+    per_draw = -advantage[:, None] * (torch.nn.functional.one_hot(y, V).double() - p)
+    stderr = per_draw.std(0) / N ** 0.5
+    assert ((z.grad - closed).abs() < 4 * stderr).all()
+    assert ((closed - (-closed)).abs() > 20 * stderr).any()  # a flipped sign lies far outside the error
+
+    for draw in y[:3].tolist():
+        one = z.detach().clone().requires_grad_()
+        log_one = one.log_softmax(-1)
+        opd.sampled_token_loss(log_one[draw:draw + 1], log_t[draw:draw + 1])[0].backward()
+        a = (log_t[draw] - log_one[draw]).item()
+        assert torch.allclose(one.grad, -a * (torch.nn.functional.one_hot(torch.tensor(draw), V).double() - p), atol=1e-12)

@@ -6,7 +6,7 @@ import sys
 
 from conftest import ROOT, hold_in_another_process
 
-RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "rl"]
+RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl"]
 
 
 def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):

@@ -77,7 +77,7 @@ def test_toy_mini_study_runs_end_to_end(tmp_path):
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     table = (out / "results.md").read_text()
-    for run in ["base", "mild", "stress", "opd-mild", "opd-stress", "opd-logits", "rl"]:
+    for run in ["base", "mild", "stress", "opd-mild", "opd-stress", "opd-logits", "opd-sampled", "rl"]:
         assert f"| {run} |" in table
     assert json.loads((out / "eval.json").read_text())["mmlu"]["scoring"] == "text"
     assert os.path.isfile(out / "base-model" / "model.safetensors") and os.path.isdir(out / "data" / "gsm8k")

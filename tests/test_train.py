@@ -116,7 +116,7 @@ def test_micro_batches_put_like_lengths_together_under_the_token_bound():
 
 
 @pytest.mark.parametrize("split", [["--grad-accum", 2], ["--micro-batch-tokens", 1]])
-@pytest.mark.parametrize("script", ["sft", "rl", "opd", "opd-logits"])
+@pytest.mark.parametrize("script", ["sft", "rl", "opd", "opd-logits", "opd-sampled"])
 def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_models, data_dir, tmp_path, script, split, monkeypatch):
     tiny_model, main = tiny_models["tied"], MAINS[script.split("-")[0]]
     opd_flags = ["--prompts-per-step", 3, "--max-new-tokens", 6, "--max-steps", 2, "--continuation-tokens", 4, "--lr", 1e-3]
@@ -124,7 +124,8 @@ def test_micro_batches_train_the_same_adapter_as_one_batch(tiny_models, data_dir
              "rl": ["--prompts-per-step", 2, "--group-size", 2, "--max-new-tokens", 6, "--max-steps", 2, "--lr", 1e-3],
              "opd": ["--teacher", tiny_model, *opd_flags],
              # another model as the teacher: with the student's own base the KL is zero, and nothing trains
-             "opd-logits": ["--teacher", tiny_models["untied"], *opd_flags, "--signal", "logits"]}[script]
+             "opd-logits": ["--teacher", tiny_models["untied"], *opd_flags, "--signal", "logits"],
+             "opd-sampled": ["--teacher", tiny_models["untied"], *opd_flags, "--signal", "sampled"]}[script]
     if script != "sft":
         # a random model writes to the token limit every time; cut its completions to unequal
         # lengths, so that micro-batches hold unequal numbers of the step's tokens
