@@ -284,11 +284,8 @@ def kl_to_base(model, adapter, rollouts, batch_size=16):
     total, written = 0.0, [r for r in rollouts if len(r[0]) > r[1]]  # an empty rollout has no state to compare
     for i in range(0, len(written), batch_size):
         sequences, starts = map(list, zip(*written[i:i + batch_size]))
-        with lora.use_adapter(model, None):
-            base_h, _, _ = train.sequence_states(model, sequences, starts)
-        with lora.use_adapter(model, adapter):
-            run_h, _, _ = train.sequence_states(model, sequences, starts)
-            total += train.token_kl(model, run_h, base_h, model.lm_head.weight, "forward").sum().item()
+        base_h, run_h = (train.frozen_states(model, name, sequences, starts)[0] for name in (None, adapter))
+        total += train.token_kl(model, run_h, base_h, model.lm_head.weight, "forward").sum().item()
     return total / max(1, len(rollouts))
 
 
