@@ -13,11 +13,9 @@ The world, deterministic from a seed:
                say ..."), so the true choice competes with a learned misconception
 
 Pretraining mixes the retention material with a limited share of target problems written
-another way (plain sums; 2% as the dataset's), so SFT's gold answers are off-policy for the
-base, as GSM8K's are for a real one (toy.py prints by how much). It must leave room both ways:
-target accuracy 0.2 to 0.6, each retention score at least twice chance and below 0.95
-(reproduce.check_base). At this scale MMLU is scored with --mmlu-scoring text (the letter
-format stays at chance), and prompts are zero-shot (the context is 256 tokens).
+another way (plain sums; 2% as the dataset's): SFT's gold answers are off-policy for the base,
+as GSM8K's are for a real one (toy.py prints by how much). The base must leave room to move
+both ways (reproduce.check_base). MMLU is scored by each choice's text, prompts are zero-shot.
 
     python toy.py                       # -> out/toy/data and out/toy/base-model
 """
@@ -106,18 +104,16 @@ def facts(rng, per_subject):
     for subject, (_, fmt) in specs.items():
         entities = list(dict.fromkeys(word(rng) for _ in range(per_subject * 3)))[:per_subject]
         answers = list(dict.fromkeys(word(rng) for _ in range(per_subject * 3)))[:per_subject // 3]
-        rows = []
+        rows = out[subject] = []
         for e in entities:
             a = rng.choice(answers)
             q, prose = fmt(e, a)
             rows.append((q, a, rng.sample([x for x in answers if x != a], 3), prose))
-        out[subject] = rows
     return out
 
 
 def misconceptions(rng, n):
-    """(question, truth sentence, myth sentence, 2 distractor sentences, corpus statements).
-    Creature names are capitalised everywhere so that statement and answer share tokens."""
+    """(question, truth, myth, 2 distractors, corpus statements), sentences naming capitalised creatures."""
     out, seen = [], set()
     while len(out) < n:
         name = word(rng) + "s"
@@ -200,14 +196,17 @@ PRETRAIN_SAVE_EVERY = 100  # steps between pretraining checkpoints: under a minu
 
 
 def pretrain(out, args):
-    """World + tokenizer + a small Qwen3 trained from scratch; returns (data, model) folders.
-    Checkpoints every PRETRAIN_SAVE_EVERY steps (base-model/pretrain-checkpoint.pt) let a call
-    with the same arguments carry on to the weights an uninterrupted pretraining gives."""
+    """(data, model) folders: the world, and a small Qwen3 pretrained on it from scratch (resumable from a
+    checkpoint every PRETRAIN_SAVE_EVERY steps), or the one there if pretrained with args (pretrain.json)."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
+    recorded = os.path.join(model_dir, "pretrain.json")
     with runs.holding(out):  # two pretrainings into one folder would overwrite each other's checkpoints
         world = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems, annotated=args.annotated)
         if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
             pretrain_in(*world, model_dir, args)
+        elif not os.path.isfile(recorded) or M.read_json(recorded) != vars(args):
+            raise M.InputError(f"{model_dir} was pretrained with other settings than these (or by code that kept none in "
+                               f"pretrain.json); delete it to pretrain again, or pass another --out")
     return data_dir, model_dir
 
 
@@ -260,6 +259,7 @@ def pretrain_in(corpus, problems, model_dir, args):
             state = dict(model=net.state_dict(), optimizer=opt.state_dict(), sampler=g.get_state(), step=step + 1,
                          args=vars(args))
             M.write_atomic(checkpoint_path, lambda path: torch.save(state, path))
+    M.write_json(os.path.join(model_dir, "pretrain.json"), vars(args))  # first: a model never lacks its settings
     M.save(net.eval(), model_dir, tok_path)
     if os.path.isfile(checkpoint_path):
         os.remove(checkpoint_path)
@@ -291,7 +291,7 @@ def main(argv=None):
         p.error(f"--hidden {args.hidden} --heads {args.heads}: the heads must be even in number (half as many key/value "
                 f"heads) and split the hidden size into heads of even size (rotary turns pairs of features)")
     print(vars(args))
-    data_dir, model_dir = pretrain(args.out, args)
+    data_dir, model_dir = pretrain(vars(args).pop("out"), args)  # the folder is not a setting of the base
     print(f"world in {data_dir}, base model in {model_dir}")
     drift.report_offpolicy_gap(model_dir, data_dir)
 

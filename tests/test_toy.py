@@ -130,6 +130,18 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     toy.pretrain(str(tmp_path / "other"), args)
     assert "is from other settings; pretraining starts again" in capsys.readouterr().out
 
+    # a finished base is used again only by the settings it was pretrained with: another world
+    # (here another share of annotated problems) or a base without pretrain.json is refused
+    assert toy.pretrain(str(tmp_path / "other"), args)[1] == str(tmp_path / "other" / "base-model")
+    refused = "other/base-model was pretrained with other settings than these (or by code that kept none in pretrain.json)"
+    args.annotated = 0.5
+    with pytest.raises(M.InputError, match=re.escape(refused)):
+        toy.pretrain(str(tmp_path / "other"), args)
+    args.annotated = 0.02
+    (tmp_path / "other" / "base-model" / "pretrain.json").unlink()
+    with pytest.raises(M.InputError, match=re.escape(refused)):
+        toy.pretrain(str(tmp_path / "other"), args)
+
 
 def test_a_pretraining_folder_in_use_by_another_process_is_refused(tmp_path):
     # two pretrainings into one folder would overwrite each other's checkpoints
