@@ -23,6 +23,7 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     assert norms.pop("base") is None and norms["stress"] > norms["mild"] > 0 and min(norms.values()) >= 0
     for predictor in ("update_norm", "mmd2", "state_distance", "kl_to_base"):  # every run has all four
         assert results["predictors"][predictor]["conditions"]["n"] == len(RUNS) - 1, predictor
+    assert (out / "results.png").stat().st_size > 1000 and (out / "curves.png").stat().st_size > 1000  # the figures
     timings = json.loads((out / "timings.json").read_text())
     assert {"evaluate base", "train stress", "evaluate rl", "drift"} <= set(timings)
     for run in RUNS[1:]:

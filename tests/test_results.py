@@ -4,6 +4,7 @@ import argparse
 import itertools
 import json
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -270,3 +271,25 @@ def test_state_distance_and_the_four_predictors_of_forgetting():
     # over the six runs the KL ranks forgetting perfectly: its permutation p is the share of 720 orders as extreme
     assert R.drift_vs_forgetting(rows, "kl_to_base")["spearman"] == 1.0
     assert R.drift_vs_forgetting(rows, "kl_to_base")["spearman_p"] == 2 / 720
+
+
+def test_training_curves_merge_seeds_into_a_mean_and_a_band_and_figures_stay_optional(tmp_path, capsys, monkeypatch):
+    logs = [[{"step": t, "loss": v} for t, v in enumerate([4.0, 2.0, 0.0, 2.0], 1)],
+            [{"step": t, "loss": v} for t, v in enumerate([2.0, 2.0, 2.0], 1)] + [{"step": 4, "reward": 1.0}]]
+    assert R.curve(logs, "loss") == ([1, 2, 3], [3.0, 2.0, 1.0], [2.0, 2.0, 0.0], [4.0, 2.0, 2.0])  # steps both logs hold
+    assert R.curve(logs, "loss", window=2)[1] == [3.0, 2.5, 1.5]  # each log's running mean first: 4 3 1 / 2 2 2
+    assert [R.state_source(n) for n in ("stress-seed1", "kd-stress", "opd-sampled", "rl", "base")] == [
+        "data", "teacher", "student", "student", "other"]
+    for name, records in (("stress", logs[0]), ("stress-seed1", logs[1]), ("rl", logs[1])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    R.main(["--curves", *(str(tmp_path / n) for n in ("stress", "stress-seed1", "rl"))])
+    assert (tmp_path / "curves.png").stat().st_size > 1000 and f"curves in {tmp_path / 'curves.png'}" in capsys.readouterr().out
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: one line says how, nothing else fails
+    (tmp_path / "curves.png").unlink()
+    (tmp_path / "eval.json").write_text("{}")
+    (tmp_path / "rl" / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.5}}))
+    R.write_results(str(tmp_path))
+    assert "note: no figures without matplotlib (pip install matplotlib)" in capsys.readouterr().out
+    assert (tmp_path / "results.md").is_file() and not (tmp_path / "curves.png").exists()
