@@ -369,7 +369,8 @@ def plot(out, rows):
         if r["mmd2"] is not None and r["forgetting"] is not None:
             b.errorbar(r["mmd2"], r["forgetting"], yerr=r["forgetting_stderr"], fmt="o", capsize=3)
             b.annotate(condition(r["run"]), (r["mmd2"], r["forgetting"]), fontsize=7)
-    a.legend(fontsize=7)
+    if points:
+        a.legend(fontsize=7)
     a.set(xlabel="mean retention ratio", ylabel="GSM8K accuracy", title="the frontier: target against retention")
     b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting (bars: one standard error)",
           title="drift against forgetting (P4)")
@@ -407,8 +408,7 @@ def curves(folders, path):
     keys = [(k, title) for k, title in CURVES if any(k in r for ms in logs.values() for _, rs in ms for r in rs)]
     snapshots = {f: sorted(os.listdir(os.path.join(f, "snapshots"))) for ms in logs.values() for f, _ in ms
                  if os.path.isdir(os.path.join(f, "snapshots"))}
-    plt = pyplot() if keys else None
-    if plt is None:
+    if not keys or (plt := pyplot()) is None:
         return None
     fig, axes = plt.subplots(1, len(keys) + bool(snapshots), figsize=(3.6 * (len(keys) + bool(snapshots)), 3.2),
                              squeeze=False)

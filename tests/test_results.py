@@ -122,6 +122,8 @@ def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, d
     drift.main([*steps, *common, "--out", str(out), "--prompts", "4", "--max-new-tokens", "8", "--stride", "4",
                 "--permutations", "10"])
     table = R.write_results(str(out / "stress" / "snapshots"))
+    assert R.curves([str(out / "stress")], str(tmp_path / "curves.png"))  # the update norm at each snapshot beside the log
+    assert (tmp_path / "curves.png").stat().st_size > 1000
     rows = [line for line in table.splitlines() if line.startswith("| step-")]
     assert [row.split(" | ")[0] for row in rows] == ["| step-000001", "| step-000002"]
     for row in rows:  # drift, forgetting against the base, the state distance, the KL and the update norm are all there
