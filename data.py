@@ -253,6 +253,29 @@ def batch_indices(n_items, step, batch_size, seed):
     return out
 
 
+def state_mixture(text):
+    """--state-source as weights: student, teacher or data alone, or weights of them that sum
+    to 1 ("student=0.25,data=0.75"): where OPD's trajectories come from."""
+    parts = [part.split("=") for part in text.split(",")] if "=" in text else [[text, "1"]]
+    try:
+        weights = {name.strip(): float(w) for name, w in parts}
+    except ValueError:  # a weight that is no number, or a part that is not name=weight
+        weights = {}
+    if not weights or not set(weights) <= {"student", "teacher", "data"} or min(weights.values()) < 0 or abs(
+            sum(weights.values()) - 1) > 1e-6:
+        raise InputError(f"--state-source {text!r}: give student, teacher or data, or weights of them that sum to 1, "
+                         f"e.g. student=0.25,data=0.75")
+    return weights
+
+
+def state_sources(weights, n, key):
+    """The state source of each of n prompts of a step, prompt i drawn from (seed, step, first +
+    i) = key: from its place in the whole step, so no number of processes changes it."""
+    names = sorted(weights)
+    return [random.Random("/".join(map(str, (*key[:2], key[2] + i)))).choices(names, [weights[s] for s in names])[0]
+            for i in range(n)]
+
+
 # -----------------------------------------------------------------------------
 # prompts
 

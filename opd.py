@@ -7,7 +7,8 @@ State source:  the student's own rollouts, d^{pi_S}: each step the student (base
                level) distillation, whose states do not depend on the learner, as SFT's
                do not. --state-source data: GSM8K's gold solutions, d_data, SFT's states.
                Only the state source changes; the signal and everything else stay, so a
-               run against the default isolates the paper's variable from the loss.
+               run against the default isolates the paper's variable from the loss; a
+               mixture, student=0.25,data=0.75, draws each prompt's own: a dial.
 Signal source: the teacher, queried at those states.
   --signal continuation (default, the paper's working variant, DAgger-like): at --cuts
                points t of each trajectory the teacher greedily continues the prefix
@@ -48,13 +49,10 @@ from sample import generate, tokens_before_stop
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="run folder (base + its adapter) or a model id / folder")
-    p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder name>, + "
-                                               "-teacher-states or -data-states for those state sources)")
-    p.add_argument("--signal", choices=["continuation", "logits", "sampled"], default="continuation", help="the signal (above)")
-    p.add_argument("--kl", choices=["forward", "reverse"], default="forward",
-                   help="KL direction for --signal logits: forward KL(teacher || student), the paper's eq. 7, or reverse")
-    p.add_argument("--state-source", choices=["student", "teacher", "data"], default="student",
-                   help="whose trajectories: the student's (OPD), the teacher's (offline distillation) or the gold ones")
+    p.add_argument("--out", default=None, help="run folder (default: out/opd-<teacher folder>[-<source>-states])")
+    p.add_argument("--signal", choices=["continuation", "logits", "sampled"], default="continuation", help="(above)")
+    p.add_argument("--kl", choices=["forward", "reverse"], default="forward", help="--signal logits: forward is eq. 7's")
+    p.add_argument("--state-source", default="student", help="student, teacher, data, or weights of them (above)")
     p.add_argument("--steps", type=cli.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
     p.add_argument("--prompts-per-step", type=cli.number(int, 1), default=8, help="prompts per step, one trajectory each")
     p.add_argument("--temperature", type=cli.number(float, 0), default=1.0, help="sampling temperature of the states")
@@ -139,6 +137,7 @@ def where_states_lie(model, teacher, sequences, starts, args, pad_id):
 
 def main(argv=None):
     args = parse_args(argv)
+    weights = data.state_mixture(args.state_source)
     device, dtype = runs.resolve(args, args.out if args.resume else None, args.teacher)
     model, tok = M.load(args.model, device, dtype)
     teacher = load_teacher(model, tok, args)  # (model, adapter): on the student's base where it can be
@@ -154,8 +153,10 @@ def main(argv=None):
 
         # the state source: the student's own trajectories (or the teacher's, or the dataset's)
         model.eval()
-        sequences, starts, texts = draw_states(args.state_source, model, teacher, tok, batch, args,
-                                               seed=run.step_seed(step) + first)
+        sources = data.state_sources(weights, len(batch), (args.seed, step, first))
+        drawn = {s: draw_states(s, model, teacher, tok, batch, args, run.step_seed(step) + first)
+                 for s in set(sources)}  # each source every prompt: its own stream, mixed or not
+        sequences, starts, texts = ([drawn[s][k][i] for i, s in enumerate(sources)] for k in range(3))
         measures = where_states_lie(model, teacher, sequences, starts, args, tok.pad_id)
 
         # the signal: the teacher's continuations of the states at the cut points, or its next-token distribution
@@ -170,7 +171,8 @@ def main(argv=None):
         rewards = [float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch)]
         run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
                      **({"state_kl": loss} if args.signal == "logits" else {})), reward=(sum(rewards), len(rewards)),
-                completion_len=(measures["state_nll"][1], len(rewards)), **measures)
+                completion_len=(measures["state_nll"][1], len(rewards)), **measures,
+                **{f"share_{s}": (sources.count(s), len(sources)) for s in weights if len(weights) > 1})
     print(f"done: adapter in {args.out}")
 
 

@@ -48,9 +48,14 @@ FLAGS = {"sft": ["--train-limit", 16, "--batch-size", 4, "--lora-dropout", 0, "-
                  "--continuation-tokens", 4, "--lr", 1e-3]}
 
 
-@pytest.mark.parametrize("script", ["sft", "rl", "opd"])
+# seed 3 draws data, student | student, data: each process's half draws otherwise by its own index
+FLAGS["opd-mixture"] = FLAGS["opd"] + ["--state-source", "student=0.5,data=0.5", "--prompts-per-step", 4, "--seed", 3]
+
+
+@pytest.mark.parametrize("script", ["sft", "rl", "opd", "opd-mixture"])
 def test_two_processes_make_the_update_one_makes(tiny_model, data_dir, tmp_path, script):
     flags = [tiny_model if f == "TEACHER" else f for f in FLAGS[script]]
+    script = script.split("-")[0]
     MAINS[script](common(tiny_model, data_dir, tmp_path / "one", *flags))
     r = launch(script, *common(tiny_model, data_dir, tmp_path / "two", *flags))
     assert r.returncode == 0, r.stderr[-3000:]
@@ -58,10 +63,12 @@ def test_two_processes_make_the_update_one_makes(tiny_model, data_dir, tmp_path,
     one, two = read_log(tmp_path / "one"), read_log(tmp_path / "two")  # written once, by one process
     assert [x["step"] for x in two] == list(range(1, len(one) + 1)) and len(one) == (2 if script == "sft" else 1)
     assert [x["tokens"] for x in one] == [x["tokens"] for x in two]
-    for key in ("reward", "completion_len"):  # the same rollouts, sampled half by each process
+    for key in ("reward", "completion_len", "share_student"):  # the same rollouts, sampled half by each process
         assert [x.get(key) for x in one] == [x.get(key) for x in two]
     for key in ("loss", "state_nll", "grad_norm"):
         assert all(abs(x[key] - y[key]) < 1e-5 * max(1, abs(x[key])) for x, y in zip(one, two))
+    if "--state-source" in flags:  # both sources in the step, each process with its share of them
+        assert 0 < one[0]["share_student"] < 1
 
 
 def test_a_sigterm_to_torchrun_stops_both_after_one_step_and_resume_continues_the_run(tiny_model, data_dir, tmp_path):

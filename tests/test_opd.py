@@ -392,3 +392,10 @@ def test_the_sampled_signal_averages_to_the_reverse_kl_gradient_of_the_logit_sig
         opd.sampled_token_loss(log_one[draw:draw + 1], log_t[draw:draw + 1])[0].backward()
         a = (log_t[draw] - log_one[draw]).item()
         assert torch.allclose(one.grad, -a * (torch.nn.functional.one_hot(torch.tensor(draw), V).double() - p), atol=1e-12)
+
+
+def test_a_state_source_that_is_neither_a_source_nor_a_mixture_is_refused_in_one_line(tiny_model, data_dir, tmp_path):
+    for bad in ("students", "student=0.5,teacher=0.4"):
+        with pytest.raises(M.InputError, match=f"--state-source '{bad}': give student, teacher or data, or weights"):
+            opd.main(common(tiny_model, data_dir, tmp_path / "x", "--teacher", tiny_model, "--state-source", bad))
+    assert not (tmp_path / "x").exists()  # refused before anything was made
