@@ -253,6 +253,12 @@ def batch_indices(n_items, step, batch_size, seed):
     return out
 
 
+def item_rng(key, i):
+    """The random.Random of item i of this process's share of a step, key = (seed, step, first):
+    seeded by the item's place in the whole step, so no number of processes changes its draws."""
+    return random.Random("/".join(map(str, (*key[:2], key[2] + i))))
+
+
 def state_mixture(text):
     """--state-source as weights: student, teacher or data alone, or weights of them that sum
     to 1 ("student=0.25,data=0.75"): where OPD's trajectories come from."""
@@ -269,11 +275,9 @@ def state_mixture(text):
 
 
 def state_sources(weights, n, key):
-    """The state source of each of n prompts of a step, prompt i drawn from (seed, step, first +
-    i) = key: from its place in the whole step, so no number of processes changes it."""
+    """The state source of each of n prompts of a step, prompt i drawn from item_rng(key, i)."""
     names = sorted(weights)
-    return [random.Random("/".join(map(str, (*key[:2], key[2] + i)))).choices(names, [weights[s] for s in names])[0]
-            for i in range(n)]
+    return [item_rng(key, i).choices(names, [weights[s] for s in names])[0] for i in range(n)]
 
 
 # -----------------------------------------------------------------------------

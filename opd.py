@@ -34,7 +34,6 @@ switches. --model and --data-dir default to the teacher run's own.
 """
 import argparse
 import os
-import random
 
 import cli
 import data
@@ -110,7 +109,7 @@ def teacher_continuations(teacher, tok, sequences, starts, args, key):
     from (seed, step, first + i) = key + i: (sequences, starts) of prefix + teacher tokens."""
     prefixes = []
     for i, (seq, start) in enumerate(zip(sequences, starts)):
-        rng = random.Random("/".join(map(str, (*key[:2], key[2] + i))))
+        rng = data.item_rng(key, i)
         n = max(1, len(tokens_before_stop(tok, seq[start:], data.GSM8K_STOP)))  # the prompt alone at the least
         prefixes += [seq[:start + t] for t in sorted(rng.sample(range(n), min(args.cuts, n)))]
     net, adapter = teacher
