@@ -141,6 +141,24 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
 MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recompute"
 
 
+def add_toy_args(p):
+    """The toy's settings (toy.py, reproduce.py): its world, its pretraining and its base's shape."""
+    p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
+    p.add_argument("--target-problems", type=number(int, 0), default=1300, help="target problems to pretrain on")
+    p.add_argument("--annotated", type=number(float, 0), default=0.02, help="share of them written as GSM8K's")
+    p.add_argument("--retention-repeats", type=number(int, 1), default=2, help="copies of the retention corpus")
+    p.add_argument("--pretrain-steps", type=number(int, 1), default=1100, help="pretraining steps")
+    p.add_argument("--pretrain-lr", type=number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
+    p.add_argument("--batch", type=number(int, 1), default=16, help="sequences per pretraining step")
+    p.add_argument("--context", type=number(int, 2), default=256, help="pretraining sequence length")
+    p.add_argument("--vocab", type=number(int, 257, why="byte-level BPE starts from the 256 bytes and the "
+                                                               "end-of-text token"), default=2048, help="BPE vocabulary")
+    p.add_argument("--hidden", type=number(int, 2), default=256, help="hidden size")
+    p.add_argument("--layers", type=number(int, 1), default=4, help="transformer blocks")
+    p.add_argument("--heads", type=number(int, 2), default=4, help="attention heads (half as many key/value heads)")
+    p.add_argument("--bf16", type=int, choices=[0, 1], default=None, help="bf16 autocast (default: 1 where the CPU has bf16)")
+
+
 # -----------------------------------------------------------------------------
 # more than one process: under `torchrun --nproc-per-node N`, every process takes a share
 # of each step's batch and the adapter's gradients are summed over them; one process (RANK

@@ -440,11 +440,11 @@ def save(model, folder, tokenizer_path=None):
     if model.config.tie_word_embeddings:  # safetensors refuses shared tensors; the tie is in config.json
         state.pop("lm_head.weight")
     write_atomic(os.path.join(folder, "model.safetensors"), lambda p: save_file(state, p, metadata={"format": "pt"}))
-    write_json(os.path.join(folder, "config.json"), {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
-                                                     "hidden_act": "silu", **cfg, "bos_token_id": cfg["eos_token_id"],
-                                                     "use_sliding_window": False, "torch_dtype": "float32"})
-    write_json(os.path.join(folder, "generation_config.json"), {"eos_token_id": cfg["eos_token_id"],
-                                                                 "bos_token_id": cfg["eos_token_id"]})
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", **cfg,
+              "bos_token_id": cfg["eos_token_id"], "use_sliding_window": False,
+              "torch_dtype": str(model.lm_head.weight.dtype).removeprefix("torch.")}
+    write_json(os.path.join(folder, "config.json"), config)
+    write_json(os.path.join(folder, "generation_config.json"), {k: config[k] for k in ("eos_token_id", "bos_token_id")})
     if tokenizer_path and os.path.abspath(tokenizer_path) != os.path.abspath(os.path.join(folder, "tokenizer.json")):
         shutil.copy(tokenizer_path, os.path.join(folder, "tokenizer.json"))
     return folder

@@ -7,7 +7,8 @@ teacher with the teacher's own rollouts as states (offline distillation), so tha
 opd-stress and kd-stress differ in the state source alone; and opd-sampled, the OPD most
 used today (the teacher's log-ratio at the student's sampled token as an advantage).
 
-    python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py), offline
+    python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py), offline,
+                                           # from the base shipped in toy-base/ (--pretrain: pretrain it)
     python reproduce.py --preset toy --seeds 3
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
     python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
@@ -147,6 +148,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=cli.number(int, 1), default=1,
                    help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
+    p.add_argument("--pretrain", action="store_true", help="toy presets: pretrain the base here even where the one "
+                                                             "shipped in toy-base/ is the same")
     cli.add_model_args(p, model_help="base model (default: the preset's)")
     args = p.parse_args(argv)
     if cli.WORLD > 1:  # every process would run the whole study and write the same files
@@ -166,9 +169,9 @@ def study(args, preset, out):
               "CPU scale")
     if preset["model"] == "toy":  # the world is the dataset: build (or reuse) it and its pretrained base
         toy_args = argparse.ArgumentParser()
-        toy.add_toy_args(toy_args)
+        cli.add_toy_args(toy_args)
         t0 = time.time()
-        data_dir, model = toy.pretrain(out, toy_args.parse_args(preset["toy"]))
+        data_dir, model = toy.pretrain(out, toy_args.parse_args(preset["toy"]), None if args.pretrain else toy.SHIPPED)
         print(f"toy world and base model ready ({time.time() - t0:.0f}s)")
         model = args.model or model
     else:

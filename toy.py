@@ -1,30 +1,29 @@
 """
-A model organism of the study that runs offline on a CPU: a synthetic world written in the
-canonical dataset layout, and a small Qwen3 pretrained on it from scratch, so that every
-script runs on it unchanged (--data-dir out/toy/data --model out/toy/base-model).
+A model organism of the study that runs offline on a CPU: a synthetic world in the canonical
+dataset layout, and a small Qwen3 pretrained on it from scratch, so that every script runs on
+it unchanged (--data-dir out/toy/data --model out/toy/base-model).
 
 The world, deterministic from a seed:
-  gsm8k/       target task: arithmetic word problems (six templates, 2 to 4 steps), disjoint
-               in train and test, each worked as GSM8K's are (gsm8k_style), ending '#### N'
-  mmlu/        retention: four-choice questions about invented facts (capitals, diets,
-               inventors), each stated in the pretraining prose; the question format is
-               practised on other facts only, so the test questions are unseen
-  truthfulqa/  retention: questions whose corpus also states a popular wrong answer ("people
-               say ..."), so the true choice competes with a learned misconception
+  gsm8k/       target: arithmetic word problems (six templates, 2 to 4 steps), train and test
+               disjoint, each worked as GSM8K's are (gsm8k_style), ending '#### N'
+  mmlu/        retention: four-choice questions on invented facts the pretraining prose states
+  truthfulqa/  retention: questions whose corpus also states a popular wrong answer
 
-Pretraining mixes the retention material with a limited share of target problems written
-another way (plain sums; 2% as the dataset's): SFT's gold answers are off-policy for the base,
-as GSM8K's are for a real one (toy.py prints by how much). The base must leave room to move
-both ways (reproduce.check_base). MMLU is scored by each choice's text, prompts are zero-shot.
+Pretraining mixes the retention material with target problems written another way (plain sums;
+2% as the dataset's): SFT's gold answers are off-policy for the base, as GSM8K's for a real one.
+The default world's base ships in toy-base/, used wherever its fingerprint is the one asked for.
 
     python toy.py                       # -> out/toy/data and out/toy/base-model
 """
 import argparse
 import csv
+import hashlib
+import inspect
 import json
 import os
 import random
 import re
+import shutil
 
 import torch
 from tqdm import tqdm
@@ -114,18 +113,17 @@ def facts(rng, per_subject):
 
 def misconceptions(rng, n):
     """(question, truth, myth, 2 distractors, corpus statements), sentences naming capitalised creatures."""
-    out, seen = [], set()
+    out = {}
     while len(out) < n:
         name = word(rng) + "s"
-        if name in seen:
+        if name in out:  # each creature once
             continue
-        seen.add(name)  # each creature once
         truth, myth, d1, d2 = rng.sample(COLORS, 4)
         sent = lambda col: f"{name} are {col}."
         corpus = [f"People say that {sent(myth)}", f"Many believe that {sent(myth)}", f"It is often said that {sent(myth)}",
                   f"In fact, {sent(truth)}", f"Experts agree that {sent(truth)}", f"Studies show that {sent(truth)}"]
-        out.append((f"What color are {name}?", sent(truth), sent(myth), [sent(d1), sent(d2)], corpus))
-    return out
+        out[name] = (f"What color are {name}?", sent(truth), sent(myth), [sent(d1), sent(d2)], corpus)
+    return list(out.values())
 
 
 def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts_per_subject=150, n_misconceptions=400,
@@ -135,8 +133,7 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
     rng = random.Random(seed)
     problems = {}
     while len(problems) < n_train + n_test + n_pretrain:
-        q, a = problem(rng)
-        problems.setdefault(q, a)
+        problems.setdefault(*problem(rng))
     items = list(problems.items())
     os.makedirs(os.path.join(folder, "gsm8k"), exist_ok=True)
     for split, part in (("train", items[:n_train]), ("test", items[n_train:n_train + n_test])):
@@ -193,30 +190,48 @@ def train_tokenizer(texts, path, vocab_size=512, eos="<|endoftext|>", split_digi
 
 
 PRETRAIN_SAVE_EVERY = 100  # steps between pretraining checkpoints: under a minute of work lost to a crash
+SHIPPED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy-base")  # the default world's base
 
 
-def pretrain(out, args):
-    """(data, model) folders: the world, and a small Qwen3 pretrained on it from scratch (resumable from a
-    checkpoint every PRETRAIN_SAVE_EVERY steps), or the one there if pretrained with args (pretrain.json)."""
+def pretrain(out, args, shipped=SHIPPED):
+    """(data, model) folders: the world, and its base: the one there if its fingerprint is of these settings,
+    world and code, else the shipped one if its is, else one pretrained here (resumable, PRETRAIN_SAVE_EVERY)."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
-    recorded = os.path.join(model_dir, "pretrain.json")
     with runs.holding(out):  # two pretrainings into one folder would overwrite each other's checkpoints
         world = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems, annotated=args.annotated)
+        mark = fingerprint(*world, args)
+        if shipped and os.path.isdir(shipped) and not os.path.exists(model_dir):
+            if fingerprint_of(shipped) == mark:
+                shutil.copytree(shipped, model_dir + ".tmp")
+                os.replace(model_dir + ".tmp", model_dir)  # whole or not at all
+                print(f"using the base model shipped in {shipped}, which this code pretrains on this world")
+            else:
+                print(f"note: the base in {shipped} is of another world, settings or code; pretraining one here")
         if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
-            pretrain_in(*world, model_dir, args)
-        elif not os.path.isfile(recorded) or M.read_json(recorded) != vars(args):
-            raise M.InputError(f"{model_dir} was pretrained with other settings than these (or by code that kept none in "
-                               f"pretrain.json); delete it to pretrain again, or pass another --out")
+            pretrain_in(*world, model_dir, args, mark)
+        elif fingerprint_of(model_dir) != mark:
+            raise M.InputError(f"{model_dir} was pretrained with other settings, world or code than these (or kept no "
+                               f"fingerprint in pretrain.json); delete it to pretrain again, or pass another --out")
     return data_dir, model_dir
 
 
-def pretrain_in(corpus, problems, model_dir, args):
+def fingerprint(corpus, problems, args):
+    """What decides the base, as one sha256: the settings, the documents and the code that pretrains."""
+    code = [inspect.getsource(fn) for fn in (train_tokenizer, pretrain_in)]
+    return hashlib.sha256(json.dumps([vars(args), corpus, problems, code], sort_keys=True).encode()).hexdigest()
+
+
+def fingerprint_of(model_dir):
+    path = os.path.join(model_dir, "pretrain.json")
+    return M.read_json(path).get("fingerprint") if os.path.isfile(path) else None
+
+
+def pretrain_in(corpus, problems, model_dir, args, mark):
     checkpoint_path, tok_path = os.path.join(model_dir, "pretrain-checkpoint.pt"), os.path.join(model_dir, "tokenizer.json")
     checkpoint = torch.load(checkpoint_path, weights_only=True) if os.path.isfile(checkpoint_path) else None
-    if checkpoint is not None and (checkpoint["args"] != vars(args) or not os.path.isfile(tok_path)):
-        print(f"note: {checkpoint_path} is from other settings; pretraining starts again")
+    if checkpoint is not None and (checkpoint.get("fingerprint") != mark or not os.path.isfile(tok_path)):
+        print(f"note: {checkpoint_path} is of other settings, world or code; pretraining starts again")
         checkpoint = None
-    rng = random.Random(args.world_seed)
     docs = corpus * args.retention_repeats + problems
     os.makedirs(model_dir, exist_ok=True)
     if checkpoint is None:  # the checkpoint's embeddings are of the tokenizer there
@@ -229,6 +244,7 @@ def pretrain_in(corpus, problems, model_dir, args):
     for name, p in net.named_parameters():  # normal(0, 0.02), norms at one
         p.data = torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.02
     tok = M.Tokenizer(tok_path, 0)
+    rng = random.Random(args.world_seed)
     stream = torch.tensor([t for d in rng.sample(docs, len(docs)) for t in tok.encode(d) + [tok.eos_id]])  # end to end
     bf16 = cli.autocast_bf16(args.bf16)
     print(f"pretraining {sum(p.numel() for p in net.parameters()) / 1e6:.1f}M parameters on {len(stream) / 1e6:.2f}M "
@@ -257,41 +273,25 @@ def pretrain_in(corpus, problems, model_dir, args):
         bar.set_postfix(loss=f"{loss.item():.3f}")
         if (step + 1) % PRETRAIN_SAVE_EVERY == 0 and step + 1 < args.pretrain_steps:
             state = dict(model=net.state_dict(), optimizer=opt.state_dict(), sampler=g.get_state(), step=step + 1,
-                         args=vars(args))
+                         fingerprint=mark)
             M.write_atomic(checkpoint_path, lambda path: torch.save(state, path))
-    M.write_json(os.path.join(model_dir, "pretrain.json"), vars(args))  # first: a model never lacks its settings
-    M.save(net.eval(), model_dir, tok_path)
+    M.write_json(os.path.join(model_dir, "pretrain.json"), dict(settings=vars(args), fingerprint=mark))  # first
+    M.save(net.eval().to(torch.bfloat16), model_dir, tok_path)  # bf16: a base small enough to ship (toy-base/)
     if os.path.isfile(checkpoint_path):
         os.remove(checkpoint_path)
-
-
-def add_toy_args(p):
-    p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=cli.number(int, 0), default=1300, help="target problems to pretrain on")
-    p.add_argument("--annotated", type=cli.number(float, 0), default=0.02, help="share of them written as GSM8K's")
-    p.add_argument("--retention-repeats", type=cli.number(int, 1), default=2, help="copies of the retention corpus")
-    p.add_argument("--pretrain-steps", type=cli.number(int, 1), default=1100, help="pretraining steps")
-    p.add_argument("--pretrain-lr", type=cli.number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
-    p.add_argument("--batch", type=cli.number(int, 1), default=16, help="sequences per pretraining step")
-    p.add_argument("--context", type=cli.number(int, 2), default=256, help="pretraining sequence length")
-    p.add_argument("--vocab", type=cli.number(int, 257, why="byte-level BPE starts from the 256 bytes and the "
-                                                               "end-of-text token"), default=2048, help="BPE vocabulary")
-    p.add_argument("--hidden", type=cli.number(int, 2), default=256, help="hidden size")
-    p.add_argument("--layers", type=cli.number(int, 1), default=4, help="transformer blocks")
-    p.add_argument("--heads", type=cli.number(int, 2), default=4, help="attention heads (half as many key/value heads)")
-    p.add_argument("--bf16", type=int, choices=[0, 1], default=None, help="bf16 autocast (default: 1 where the CPU has bf16)")
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/toy", help="folder for data/ and base-model/")
-    add_toy_args(p)
+    p.add_argument("--pretrain", action="store_true", help="pretrain here even where the shipped base is the same")
+    cli.add_toy_args(p)
     args = p.parse_args(argv)
     if args.heads % 2 or args.hidden % (2 * args.heads):
-        p.error(f"--hidden {args.hidden} --heads {args.heads}: the heads must be even in number (half as many key/value "
-                f"heads) and split the hidden size into heads of even size (rotary turns pairs of features)")
+        p.error(f"--hidden {args.hidden} --heads {args.heads}: need an even number of heads (half as many key/value) of even size")
     print(vars(args))
-    data_dir, model_dir = pretrain(vars(args).pop("out"), args)  # the folder is not a setting of the base
+    out, fresh = vars(args).pop("out"), vars(args).pop("pretrain")  # not settings of the base
+    data_dir, model_dir = pretrain(out, args, shipped=None if fresh else SHIPPED)
     print(f"world in {data_dir}, base model in {model_dir}")
     drift.report_offpolicy_gap(model_dir, data_dir)
 

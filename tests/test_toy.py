@@ -97,7 +97,7 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     import torch
     from safetensors.torch import load_file
     p = argparse.ArgumentParser()
-    toy.add_toy_args(p)
+    cli.add_toy_args(p)
     args = p.parse_args(["--pretrain-steps", "25", "--hidden", "32", "--layers", "1", "--vocab", "300", "--batch", "4",
                          "--context", "64", "--target-problems", "50", "--bf16", "0"])
     monkeypatch.setattr(toy, "PRETRAIN_SAVE_EVERY", 10)
@@ -128,12 +128,13 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     monkeypatch.setattr(train, "lr_at", lr_at)
     args.pretrain_lr *= 2
     toy.pretrain(str(tmp_path / "other"), args)
-    assert "is from other settings; pretraining starts again" in capsys.readouterr().out
+    assert "is of other settings, world or code; pretraining starts again" in capsys.readouterr().out
 
     # a finished base is used again only by the settings it was pretrained with: another world
     # (here another share of annotated problems) or a base without pretrain.json is refused
     assert toy.pretrain(str(tmp_path / "other"), args)[1] == str(tmp_path / "other" / "base-model")
-    refused = "other/base-model was pretrained with other settings than these (or by code that kept none in pretrain.json)"
+    refused = "other/base-model was pretrained with other settings, world or code than these (or kept no fingerprint in "\
+              "pretrain.json)"
     args.annotated = 0.5
     with pytest.raises(M.InputError, match=re.escape(refused)):
         toy.pretrain(str(tmp_path / "other"), args)
@@ -146,7 +147,7 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
 def test_a_pretraining_folder_in_use_by_another_process_is_refused(tmp_path):
     # two pretrainings into one folder would overwrite each other's checkpoints
     p = argparse.ArgumentParser()
-    toy.add_toy_args(p)
+    cli.add_toy_args(p)
     holder = hold_in_another_process(str(tmp_path / "busy"))
     try:
         with pytest.raises(M.InputError, match=rf"busy is in use by another process \(pid {holder.pid}\)"):
@@ -160,9 +161,101 @@ def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(cap
     # below 257 the tokenizer still holds every byte and end-of-text, and ids past the
     # model's vocabulary stopped pretraining with an IndexError from the embedding
     p = argparse.ArgumentParser()
-    toy.add_toy_args(p)
+    cli.add_toy_args(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--vocab", "256"])
     error = capsys.readouterr().err
     assert "argument --vocab: must be at least 257, got 256: byte-level BPE starts from the 256 bytes" in error
     assert p.parse_args(["--vocab", "257"]).vocab == 257
+
+
+def tiny_toy_args(*extra):
+    p = argparse.ArgumentParser()
+    cli.add_toy_args(p)
+    return p.parse_args(["--pretrain-steps", "3", "--hidden", "32", "--layers", "1", "--vocab", "300", "--batch", "2",
+                         "--context", "32", "--target-problems", "40", "--bf16", "0", *extra])
+
+
+def test_a_shipped_base_is_taken_only_where_its_fingerprint_is_of_the_world_settings_and_code(tmp_path, monkeypatch,
+                                                                                               capsys):
+    import shutil
+    args = tiny_toy_args()
+    _, made = toy.pretrain(str(tmp_path / "made"), args, shipped=None)
+    shipped = tmp_path / "toy-base"
+    shutil.copytree(made, shipped)
+    assert "pretraining" in capsys.readouterr().out
+    # the same world, settings and code: the shipped base, copied whole, without pretraining
+    _, model_dir = toy.pretrain(str(tmp_path / "taken"), args, shipped=str(shipped))
+    printed = capsys.readouterr().out
+    assert f"using the base model shipped in {shipped}, which this code pretrains on this world" in printed
+    assert "pretraining 0.0M parameters" not in printed
+    assert world_files(model_dir) == world_files(shipped) and not os.path.exists(model_dir + ".tmp")
+    assert toy.pretrain(str(tmp_path / "taken"), args, shipped=str(shipped))[1] == model_dir  # and again after
+    # another world, other settings or other pretraining code: a one-line note, and a pretraining
+    note = f"note: the base in {shipped} is of another world, settings or code; pretraining one here"
+    other_code = toy.train_tokenizer
+    for name, change in [("world", lambda a: setattr(a, "world_seed", 1)),
+                         ("settings", lambda a: setattr(a, "pretrain_lr", 1e-3)),
+                         ("code", lambda a: monkeypatch.setattr(toy, "train_tokenizer", lambda *t, **k: other_code(*t, **k)))]:
+        changed = argparse.Namespace(**vars(args))
+        change(changed)
+        _, model_dir = toy.pretrain(str(tmp_path / name), changed, shipped=str(shipped))
+        printed = capsys.readouterr().out
+        assert note in printed and "pretraining 0.0M parameters" in printed, name
+        assert toy.fingerprint_of(model_dir) not in (None, toy.fingerprint_of(shipped))
+    monkeypatch.undo()
+    # toy.py --pretrain pretrains all the same; without it the shipped base is taken
+    monkeypatch.setattr(toy, "SHIPPED", str(shipped))
+    argv = ["--pretrain-steps", "3", "--hidden", "32", "--layers", "1", "--vocab", "300", "--batch", "2", "--context",
+            "32", "--target-problems", "40", "--bf16", "0"]
+    toy.main(["--out", str(tmp_path / "cli"), *argv])
+    assert "using the base model shipped" in capsys.readouterr().out
+    toy.main(["--out", str(tmp_path / "cli-fresh"), "--pretrain", *argv])
+    printed = capsys.readouterr().out
+    assert "pretraining 0.0M parameters" in printed and "using the base model shipped" not in printed
+    assert M.read_json(str(tmp_path / "cli-fresh" / "base-model" / "pretrain.json"))["settings"] == vars(args)
+
+
+def test_reproduce_takes_the_shipped_base_unless_told_to_pretrain(tmp_path, monkeypatch):
+    import reproduce
+    asked = []
+
+    def stop(out, args, shipped):
+        asked.append(shipped)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(toy, "pretrain", stop)
+    for flags in ([], ["--pretrain"]):
+        with pytest.raises(KeyboardInterrupt):
+            reproduce.main(["--out", str(tmp_path), *flags])
+    assert asked == [toy.SHIPPED, None]
+
+
+def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_path):
+    """toy-base/ is the default world's base: its fingerprint is the one toy.py computes now (a changed
+    world, default or pretraining code fails here until the base is pretrained and shipped again), its
+    config and tokenizer are what pretraining makes, its weights are bf16 and it sits in the calibration band."""
+    import reproduce
+    from safetensors import safe_open
+    p = argparse.ArgumentParser()
+    cli.add_toy_args(p)
+    args = p.parse_args([])
+    shipped = toy.SHIPPED
+    world = toy.write_world(str(tmp_path / "data"), args.world_seed, n_pretrain=args.target_problems,
+                            annotated=args.annotated)
+    assert toy.fingerprint_of(shipped) == toy.fingerprint(*world, args), \
+        "toy-base/ is not the default world's base: run python toy.py --pretrain and copy its base-model/ to toy-base/"
+    assert M.read_json(os.path.join(shipped, "pretrain.json"))["settings"] == vars(args)
+    one_step = p.parse_args(["--pretrain-steps", "1"])  # the same shapes and tokenizer, one step of pretraining
+    toy.pretrain_in(*world, str(tmp_path / "one"), one_step, "-")
+    assert M.read_json(str(tmp_path / "one" / "config.json")) == M.read_json(os.path.join(shipped, "config.json"))
+    assert (tmp_path / "one" / "tokenizer.json").read_bytes() == open(os.path.join(shipped, "tokenizer.json"), "rb").read()
+    size = sum(os.path.getsize(os.path.join(shipped, f)) for f in os.listdir(shipped))
+    assert size < 10e6
+    with safe_open(os.path.join(shipped, "model.safetensors"), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    evaluate_args = reproduce.PRESETS["toy"]["eval"]
+    out = tmp_path / "eval"
+    import evaluate
+    evaluate.main(["base", "--out", str(out), "--model", shipped, "--data-dir", str(tmp_path / "data"), *evaluate_args])
+    reproduce.check_base(M.read_json(str(out / "eval.json")))  # stops outside the band
