@@ -72,10 +72,11 @@ def main(argv=None):
     total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule; --max-steps stops early
     end = min(total, args.max_steps) if args.max_steps else total
 
+    base_nll = {}  # example -> the base's (NLL, tokens) of its answer, which no step changes: measured once
     for step in run.steps(model, optimizer, end, "sft"):
-        batch = [examples[i] for i in data.batch_indices(len(examples), step, args.batch_size, args.seed)]
-        batch = batch[slice(*cli.split(len(batch), "--batch-size"))]  # under torchrun, this process's share
-        sequences, starts = [s for s, _ in batch], [p for _, p in batch]
+        picked = data.batch_indices(len(examples), step, args.batch_size, args.seed)
+        picked = picked[slice(*cli.split(len(picked), "--batch-size"))]  # under torchrun, this process's share
+        sequences, starts = [examples[i][0] for i in picked], [examples[i][1] for i in picked]
 
         # the signal: the gold next token at every state of the answer
         model.train()
@@ -84,9 +85,12 @@ def main(argv=None):
         run.check_finite(step + 1, loss)
         lr, grad_norm = train.optimizer_step(optimizer, step, total, args)
         # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
+        new = [k for k, i in enumerate(picked) if i not in base_nll]
+        logprobs = train.base_logprobs(model, [sequences[k] for k in new], [starts[k] for k in new], args, tok.pad_id)
+        base_nll.update((picked[k], (-lp.sum().item(), len(lp))) for k, lp in zip(new, logprobs))
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr,
                      grad_norm=grad_norm, tokens=n_tokens),
-                state_nll_base=train.base_nll(train.base_logprobs(model, sequences, starts, args, tok.pad_id)))
+                state_nll_base=(sum(base_nll[i][0] for i in picked), sum(base_nll[i][1] for i in picked)))
     print(f"done: adapter in {args.out}")
 
 

@@ -22,8 +22,12 @@ def answer_nll(tiny_model, adapter, examples):
     return -logp.mean().item()
 
 
-def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path):
+def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path, monkeypatch):
     out = tmp_path / "sft"
+    measured = []  # the base's NLL of a gold answer never changes: each example is measured once
+    plain = train.base_logprobs
+    monkeypatch.setattr(train, "base_logprobs", lambda model, seqs, *rest: measured.extend(map(tuple, seqs)) or plain(
+        model, seqs, *rest))
     sft.main(common(tiny_model, data_dir, out, "--train-limit", 4, "--batch-size", 4, "--epochs", 100,
                     "--lr", 2e-2, "--rank", 16, "--alpha", 32, "--lora-dropout", 0, "--warmup", 0))
     rows = data.load_gsm8k("train", data_dir)[:4]
@@ -36,6 +40,7 @@ def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path):
     # at the end the learner has moved and its loss is far below the base's NLL of the same answers
     assert abs(log[0]["state_nll_base"] - log[0]["loss"]) < 1e-5
     assert log[-1]["loss"] < 0.5 * log[-1]["state_nll_base"]
+    assert len(measured) == len(set(measured)) == 4 and {x["state_nll_base"] for x in log} == {log[0]["state_nll_base"]}
 
 
 def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_the_answer(tiny_model, data_dir,
