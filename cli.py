@@ -152,7 +152,7 @@ def add_toy_args(p):
     p.add_argument("--batch", type=number(int, 1), default=16, help="sequences per pretraining step")
     p.add_argument("--context", type=number(int, 2), default=256, help="pretraining sequence length")
     p.add_argument("--vocab", type=number(int, 257, why="byte-level BPE starts from the 256 bytes and the "
-                                                               "end-of-text token"), default=2048, help="BPE vocabulary")
+                                                        "end-of-text token"), default=2048, help="BPE vocabulary")
     p.add_argument("--hidden", type=number(int, 2), default=256, help="hidden size")
     p.add_argument("--layers", type=number(int, 1), default=4, help="transformer blocks")
     p.add_argument("--heads", type=number(int, 2), default=4, help="attention heads (half as many key/value heads)")

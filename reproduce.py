@@ -12,6 +12,7 @@ used today (the teacher's log-ratio at the student's sampled token as an advanta
     python reproduce.py --preset toy --seeds 3
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
     python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
+    python reproduce.py --study pressure   # P2 at matched pressure (docs/pressure-study.md)
 
 Every stage is skipped when its outputs exist (an evaluation or drift only when it is of the
 adapter there now, measured with the preset's flags), and an interrupted training run resumes
@@ -34,6 +35,7 @@ import drift
 import evaluate
 import model as M
 import opd
+import pressure
 import results
 import rl
 import runs
@@ -63,6 +65,30 @@ def runs_of(out, seed=0):
         "rl": ("rl", []),
     }
     return {name + tag: (script, [*argv, "--seed", str(seed)]) for name, (script, argv) in conditions.items()}
+
+
+# the pressure study (docs/pressure-study.md): its arms, each script's learning rates and snapshot spacing
+PRESSURE = {
+    "toy": dict(arms=(*pressure.ARMS, *pressure.ENDS), snapshot_every={"opd": 20, "sft": 21, "rl": 34},
+                lrs={"opd": (1e-3, 3e-3, 1e-2, 3e-2), "sft": (1e-3, 3e-3, 1e-2, 3e-2), "rl": (3e-4, 1e-3, 3e-3, 1e-2)}),
+    "toy-mini": dict(arms=("student", "data"), snapshot_every={"opd": 1}, lrs={"opd": (1e-3,)}),
+}
+
+
+def pressure_runs(out, seed=0, preset="toy"):
+    """name -> (script, arguments): the mild teacher, then every arm of the pressure study at each
+    of its script's learning rates, all with the same seed (seed s > 0: names end in -seed<s>)."""
+    spec, tag = PRESSURE[preset], f"-seed{seed}" if seed else ""
+    teacher = os.path.join(out, "mild" + tag)
+    conditions = {"mild" + tag: ("sft", ["--preset", "mild", "--seed", str(seed)])}
+    for arm in spec["arms"]:
+        script = arm if arm in pressure.ENDS else "opd"
+        flags = {"sft": ["--preset", "mild"], "rl": []}.get(arm, ["--teacher", teacher, "--state-source",
+                                                                  pressure.ARMS.get(arm)])
+        for lr in spec["lrs"][script]:
+            conditions[pressure.run_name(arm, lr, seed)] = (script, [*flags, "--lr", str(lr), "--snapshot-every",
+                                                                     str(spec["snapshot_every"][script]), "--seed", str(seed)])
+    return conditions
 
 
 # the toy's scoring: zero-shot prompts (its context is 256 tokens), MMLU by each choice's text
@@ -148,6 +174,8 @@ def main(argv=None):
     p.add_argument("--seeds", type=cli.number(int, 1), default=1,
                    help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
+    p.add_argument("--study", choices=["main", "pressure"], default="main",
+                   help="main: the paper's conditions; pressure: P2 at matched pressure (toy presets, docs/pressure-study.md)")
     p.add_argument("--pretrain", action="store_true", help="toy presets: pretrain the base here even where the one "
                                                              "shipped in toy-base/ is the same")
     cli.add_model_args(p, model_help="base model (default: the preset's)")
@@ -155,8 +183,11 @@ def main(argv=None):
     if cli.WORLD > 1:  # every process would run the whole study and write the same files
         raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's scripts one by one "
                               "(README: More than one GPU)")
+    if args.study == "pressure" and args.preset not in PRESSURE:
+        raise runs.InputError(f"--study pressure is a toy study: pass --preset {' or '.join(PRESSURE)}")
     preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
+    out = os.path.join(out, "pressure") if args.study == "pressure" and not args.out else out
     with runs.holding(out):  # a second reproduce.py in the same folder would train the same runs at once
         study(args, preset, out)
 
@@ -191,24 +222,30 @@ def study(args, preset, out):
                lambda: evaluate.main(["base", "--out", out, *common, *device, *preset["eval"]]))
     if args.preset == "toy":
         check_base(M.read_json(os.path.join(out, "eval.json")))
-    conditions = {k: v for seed in range(args.seeds) for k, v in runs_of(out, seed).items()}
+    conditions = {k: v for seed in range(args.seeds) for k, v in (
+        runs_of(out, seed) if args.study == "main" else pressure_runs(out, seed, args.preset)).items()}
     for name, (script, extra) in conditions.items():
         folder = os.path.join(out, name)
         resume = ["--resume"] if os.path.isdir(os.path.join(folder, "checkpoint")) else []
         variant = f"{script}-{extra[1]}" if script == "sft" else script  # sft-mild, sft-stress
-        argv = [*extra, "--out", folder, *common, *device, *preset["train"].get(script, []),
-                *preset["train"].get(variant, []), *resume]
+        argv = [*preset["train"].get(script, []), *preset["train"].get(variant, []), *extra,  # the run's own flags win
+                "--out", folder, *common, *device, *resume]
         finished = runs.run_finished(folder)
         if finished:  # it stands in the table for this preset's run only if it is one
             check_finished(folder, model, PARSERS[script](argv), args.preset)
         stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
+        snapshots, last = os.path.join(folder, "snapshots"), f"step-{runs.read_run_json(folder)['finished_steps']:06d}"
+        for f in [os.path.join(snapshots, s) for s in sorted(os.listdir(snapshots)) if s != last] if os.path.isdir(
+                snapshots) else []:  # each snapshot before the end is a point of its own
+            stages.run(f"evaluate {name} {os.path.basename(f)}", evaluate.done(f, eval_flags),
+                       lambda: evaluate.main([f, "--out", out, *common, *device, *preset["eval"]]))
         stages.run(f"evaluate {name}", evaluate.done(folder, eval_flags),
                    lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
     missing = [os.path.join(out, n) for n in conditions if not drift.done(os.path.join(out, n), drift_flags)]
     stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
 
     table = results.write_results(out, preset=args.preset, model=model, timings=stages.timings)
-    print(table)
+    print(table if args.study == "main" else pressure.write_report(out))
     print(f"time of each stage (s): {', '.join(f'{k} {v:.0f}' for k, v in stages.timings.items())}; in all "
           f"{sum(stages.timings.values()) / 60:.1f} minutes")
     if stages.ran == 0:
