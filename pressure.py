@@ -42,11 +42,17 @@ def degenerate(folder):
     return len(nll) >= 2 and sum(nll[-k:]) / k - sum(nll[:k]) / k > JUMP
 
 
+def snapshots(folder):
+    """A finished run's snapshot folders before its last step (the last is the run itself)."""
+    root, last = os.path.join(folder, "snapshots"), runs.read_run_json(folder)["finished_steps"]
+    return [os.path.join(root, s) for s in sorted(os.listdir(root)) if s != f"step-{last:06d}"] if os.path.isdir(
+        root) else []
+
+
 def snapshot_points(folder, base_gsm8k):
     """The points of a run's evaluated snapshots: dict(step, norm, forgetting, gain)."""
-    snaps = os.path.join(folder, "snapshots")
     out = []
-    for f in [os.path.join(snaps, s) for s in sorted(os.listdir(snaps))] if os.path.isdir(snaps) else []:
+    for f in snapshots(folder):
         if os.path.isfile(os.path.join(f, "eval.json")):
             e = M.read_json(os.path.join(f, "eval.json"))
             out.append(dict(step=M.read_json(os.path.join(f, "run.json"))["finished_steps"], norm=lora.update_norm(f),

@@ -234,9 +234,7 @@ def study(args, preset, out):
         if finished:  # it stands in the table for this preset's run only if it is one
             check_finished(folder, model, PARSERS[script](argv), args.preset)
         stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
-        snapshots, last = os.path.join(folder, "snapshots"), f"step-{runs.read_run_json(folder)['finished_steps']:06d}"
-        for f in [os.path.join(snapshots, s) for s in sorted(os.listdir(snapshots)) if s != last] if os.path.isdir(
-                snapshots) else []:  # each snapshot before the end is a point of its own
+        for f in pressure.snapshots(folder):  # each snapshot before the end: a point of its own
             stages.run(f"evaluate {name} {os.path.basename(f)}", evaluate.done(f, eval_flags),
                        lambda: evaluate.main([f, "--out", out, *common, *device, *preset["eval"]]))
         stages.run(f"evaluate {name}", evaluate.done(folder, eval_flags),
