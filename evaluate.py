@@ -157,8 +157,12 @@ def eval_truthfulqa(model, tok, args):
     rows = data.load_truthfulqa(args.data_dir)
     rows = rows[:args.truthfulqa_limit] if args.truthfulqa_limit > 0 else rows
     prompts = [data.truthfulqa_prompt(r) for r in rows]
-    mc1 = score_choices(model, tok, prompts, [[f" {c}" for c in r["mc1_targets"]] for r in rows], args.batch_size, "tqa mc1")
-    mc2 = score_choices(model, tok, prompts, [[f" {c}" for c in r["mc2_targets"]] for r in rows], args.batch_size, "tqa mc2")
+    # MC2's targets repeat MC1's (TruthfulQA's own files do so too): every choice of a question scored once
+    union = [list(dict.fromkeys([*r["mc1_targets"], *r["mc2_targets"]])) for r in rows]
+    scored = [dict(zip(u, ll)) for u, ll in zip(union, score_choices(
+        model, tok, prompts, [[f" {c}" for c in u] for u in union], args.batch_size, "truthfulqa"))]
+    mc1 = [[s[c] for c in r["mc1_targets"]] for s, r in zip(scored, rows)]
+    mc2 = [[s[c] for c in r["mc2_targets"]] for s, r in zip(scored, rows)]
     samples = []
     for i, row in enumerate(rows):
         labels1, labels2 = list(row["mc1_targets"].values()), list(row["mc2_targets"].values())

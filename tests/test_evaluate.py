@@ -298,3 +298,24 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
     train_size = len(data.load_gsm8k("train", data_dir))
     with pytest.raises(M.InputError, match=f"--gsm8k-fewshot {train_size + 1}: the train split holds {train_size} "):
         E.main(["base", *flags[:-6], "--tasks", "gsm8k", "--gsm8k-fewshot", str(train_size + 1)])
+
+
+def test_truthfulqa_scores_each_choice_of_a_question_once_with_the_scores_of_each_format(tiny_model, data_dir,
+                                                                                          monkeypatch):
+    # MC2's targets repeat MC1's: one pass over their union gives both formats' log-likelihoods
+    m, tok = M.load(tiny_model)
+    rows = data.load_truthfulqa(data_dir)[:6]
+    prompts = [data.truthfulqa_prompt(r) for r in rows]
+    apart = {k: E.score_choices(m, tok, prompts, [[f" {c}" for c in r[k]] for r in rows], 4) for k in
+             ("mc1_targets", "mc2_targets")}
+    scored = []
+    plain = E.score_choices
+    monkeypatch.setattr(E, "score_choices", lambda model, tok, contexts, choices, *a: scored.extend(
+        map(tuple, choices)) or plain(model, tok, contexts, choices, *a))
+    args = argparse.Namespace(data_dir=data_dir, truthfulqa_limit=6, batch_size=4)
+    _, samples = E.eval_truthfulqa(m, tok, args)
+    assert sorted(scored) == sorted(tuple(dict.fromkeys(f" {c}" for c in [*r["mc1_targets"], *r["mc2_targets"]]))
+                                    for r in rows)
+    assert sum(map(len, scored)) < sum(len(r["mc1_targets"]) + len(r["mc2_targets"]) for r in rows)
+    for s, mc1, mc2 in zip(samples, apart["mc1_targets"], apart["mc2_targets"]):
+        assert np.allclose(s["mc1_loglikelihoods"], mc1, atol=1e-4) and np.allclose(s["mc2_loglikelihoods"], mc2, atol=1e-4)
