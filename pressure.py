@@ -104,7 +104,7 @@ def matched(a, b, key, question_se, log=False):
         return dict(verdict="undecided", why="the arms share no range", grid=[])
     step = (lambda i: lo * (hi / lo) ** (i / (GRID - 1))) if log else (lambda i: lo + (hi - lo) * i / (GRID - 1))
     grid = []
-    for x in map(step, range(GRID)):
+    for x in (min(max(step(i), lo), hi) for i in range(GRID)):  # the ends exactly, rounding aside
         d = [interpolate(b[s], key, x, log) - interpolate(a[s], key, x, log) for s in seeds]
         mean = sum(d) / len(d)
         se = (math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) if len(d) > 1 else question_se)

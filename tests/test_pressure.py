@@ -32,6 +32,9 @@ def test_the_rule_reads_supported_refuted_and_undecided_at_matched_norm():
     assert pressure.matched(student, student, "norm", 0.02, log=True)["verdict"] == "refuted"
     crossing = arm((1, 0.20), (100, -0.10))  # more at small norms, less at large ones
     assert pressure.matched(student, crossing, "norm", 0.02, log=True)["verdict"] == "undecided"
+    lo, hi = 3.5365405995973345, 458.3664384111899  # lo * (hi / lo) ** 1 rounds above hi: the grid's end is hi itself
+    assert pressure.matched(arm((lo, 0.0), (hi, 0.1)), arm((lo, 0.2), (hi, 0.3)), "norm", 0.02, log=True)["grid"][-1][
+        "x"] == hi
     apart = arm((200, 0.5), (300, 0.6))  # no shared range
     assert pressure.matched(student, apart, "norm", 0.02, log=True)["verdict"] == "undecided"
     # with seeds, the standard error is theirs: the same mean difference, once steady and once not
