@@ -123,8 +123,8 @@ def question_se(base):
 def reading(root):
     """pressure.json's content: the points, precondition C, and the two matched comparisons."""
     base, arms, rows = collect(root)
-    dist = {arm: [r["state_distance"] for r in rows if r["arm"] == arm and r["state_distance"] is not None]
-            for arm in ("student", "data")}
+    per_run = {(r["arm"], r["run"]): r["state_distance"] for r in rows if r["state_distance"] is not None}
+    dist = {arm: [d for (a, _), d in per_run.items() if a == arm] for arm in ("student", "data")}  # a run once
     mean = {arm: sum(v) / len(v) if v else None for arm, v in dist.items()}
     c = None not in mean.values() and mean["data"] - mean["student"] >= 0.3
     se = question_se(base)

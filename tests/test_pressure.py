@@ -95,3 +95,14 @@ def test_pressure_study_runs_end_to_end_in_miniature(tmp_path):
     wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
                             "pressure"], capture_output=True, text=True)
     assert wrong.returncode != 0 and "--study pressure is a toy study: pass --preset toy or toy-mini" in wrong.stderr
+
+
+def test_precondition_c_weighs_each_run_once_however_many_of_its_points_were_evaluated(monkeypatch):
+    point = lambda run, arm, distance: dict(run=run, arm=arm, state_distance=distance, norm=1.0, forgetting=0.0)
+    rows = [point("student-lr0.001", "student", 0.1)] * 3 + [point("student-lr0.01", "student", 1.0)] + [
+        point("data-lr0.001", "data", 0.9)] * 3
+    base = {"mmlu": {"acc": 0.8, "n": 210}, "truthfulqa": {"mc1": 0.7, "n": 400}}
+    monkeypatch.setattr(pressure, "collect", lambda root: (base, {}, rows))
+    r = pressure.reading("unused")
+    assert r["state_distance"] == {"student": pytest.approx(0.55), "data": pytest.approx(0.9)}
+    assert r["precondition"] is True and r["matched_norm"]["verdict"] == "undecided"  # no points: no shared range
