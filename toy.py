@@ -202,7 +202,7 @@ def pretrain(out, args, shipped=SHIPPED):
         mark = fingerprint(*world, args)
         if shipped and os.path.isdir(shipped) and not os.path.exists(model_dir):
             if fingerprint_of(shipped) == mark:
-                shutil.copytree(shipped, model_dir + ".tmp")
+                shutil.copytree(shipped, model_dir + ".tmp", dirs_exist_ok=True)  # over a copy cut short
                 os.replace(model_dir + ".tmp", model_dir)  # whole or not at all
                 print(f"using the base model shipped in {shipped}, which this code pretrains on this world")
             else:

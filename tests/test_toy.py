@@ -184,7 +184,10 @@ def test_a_shipped_base_is_taken_only_where_its_fingerprint_is_of_the_world_sett
     shipped = tmp_path / "toy-base"
     shutil.copytree(made, shipped)
     assert "pretraining" in capsys.readouterr().out
-    # the same world, settings and code: the shipped base, copied whole, without pretraining
+    # the same world, settings and code: the shipped base, copied whole, without pretraining, also
+    # over a copy that an earlier call left half done
+    (tmp_path / "taken" / "base-model.tmp").mkdir(parents=True)
+    (tmp_path / "taken" / "base-model.tmp" / "model.safetensors").write_bytes(b"cut short")
     _, model_dir = toy.pretrain(str(tmp_path / "taken"), args, shipped=str(shipped))
     printed = capsys.readouterr().out
     assert f"using the base model shipped in {shipped}, which this code pretrains on this world" in printed
