@@ -83,8 +83,8 @@ def pressure_runs(out, seed=0, preset="toy"):
     conditions = {"mild" + tag: ("sft", ["--preset", "mild", "--seed", str(seed)])}
     for arm in spec["arms"]:
         script = arm if arm in pressure.ENDS else "opd"
-        flags = {"sft": ["--preset", "mild"], "rl": []}.get(arm, ["--teacher", teacher, "--state-source",
-                                                                  pressure.ARMS.get(arm)])
+        flags = (["--preset", "mild"] if arm == "sft" else [] if arm == "rl" else
+                 ["--teacher", teacher, "--state-source", pressure.ARMS[arm]])
         for lr in spec["lrs"][script]:
             conditions[pressure.run_name(arm, lr, seed)] = (script, [*flags, "--lr", str(lr), "--snapshot-every",
                                                                      str(spec["snapshot_every"][script]), "--seed", str(seed)])
