@@ -79,6 +79,29 @@ def tokens_before_stop(tokenizer, ids, stop):
     return list(ids[:k])
 
 
+def prefill(model, prompt_ids, n, pad_id, max_new_tokens):
+    """The KV cache, key mask (R, width) and first fp32 logits of R = len(prompt_ids) * n rows,
+    prompt-major, from one prefill of each prompt that no other prompt extends: a prompt's
+    n samples, and a prompt that opens a longer one (OPD's cuts of one trajectory), read the
+    longer one's cache, with its columns past their own end masked as padding is."""
+    device = model.lm_head.weight.device
+    hosts = [i for i, p in enumerate(prompt_ids) if not any(  # no longer prompt starts with p, no earlier equal one
+        len(q) > len(p) and q[:len(p)] == p or (q == p and j < i) for j, q in enumerate(prompt_ids))]
+    host_of = [next(k for k, h in enumerate(hosts) if prompt_ids[h][:len(p)] == p) for p in prompt_ids]
+    ids, mask = left_pad([prompt_ids[h] for h in hosts], pad_id, device)
+    cache = model.new_cache(len(hosts), ids.shape[1] + max_new_tokens)
+    hidden = model(ids, attention_mask=mask, cache=cache, hidden_only=True)
+    rows = torch.tensor([host_of[r // n] for r in range(len(prompt_ids) * n)], device=device)
+    if len(hosts) == len(prompt_ids) and n == 1:  # each prompt its own row, as most calls have it
+        return cache, mask, model.lm_head(hidden[:, -1]).float()
+    # the column after each row's last token: its host's end, less what the host has beyond the prompt
+    ends = ids.shape[1] - torch.tensor([len(prompt_ids[hosts[host_of[r // n]]]) - len(prompt_ids[r // n])
+                                        for r in range(len(rows))], device=device)
+    cache.select_rows(rows)
+    mask = mask[rows] * (torch.arange(ids.shape[1], device=device) < ends[:, None])
+    return cache, mask, model.lm_head(hidden[rows, ends - 1]).float()
+
+
 def next_logits(model, ids, mask, cache):
     """fp32 logits (B, vocab) after the last token of each row, as the training pass computes them."""
     return model.lm_head(model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]).float()
@@ -149,14 +172,8 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
 
 def decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, stop, seed, progress, decode):
     device = model.lm_head.weight.device
-    ids, mask = left_pad(prompt_ids, tokenizer.pad_id, device)
-    cache = model.new_cache(len(ids), ids.shape[1] + max_new_tokens)
-    logits = next_logits(model, ids, mask, cache)  # one prefill per prompt, however many samples
-    R = len(ids) * n
-    if n > 1:  # each prompt's row, cache and logits copied to its samples
-        rows = torch.arange(len(ids), device=device).repeat_interleave(n)
-        cache.select_rows(rows)
-        mask, logits = mask[rows], logits[rows]
+    R = len(prompt_ids) * n
+    cache, mask, logits = prefill(model, prompt_ids, n, tokenizer.pad_id, max_new_tokens)
     decoder = FixedShapeDecoder(model, cache, mask, decode == "graph") if decode != "dropping" else None
     generators = [torch.Generator().manual_seed(seed + r) for r in range(R)] if seed is not None else None
     tail = 4 * max(map(len, stop), default=0) + 4  # enough tokens to hold any stop string

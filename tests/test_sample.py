@@ -132,6 +132,27 @@ def test_one_prefill_serves_a_prompts_samples(loaded, monkeypatch):
     assert passes[0] == (3, width) and all(shape[1] == 1 for shape in passes[1:])  # 3 prompt rows, then steps
 
 
+@pytest.mark.parametrize("decode", ["dropping", "fixed"])
+def test_prompts_that_open_a_longer_one_read_its_prefill_and_sample_as_alone(loaded, monkeypatch, decode):
+    ours, tok = loaded
+    long = tok.encode(PROMPTS[2])
+    # OPD's cuts of one trajectory (and a repeat), beside a prompt of their own
+    prompts = [long[:9], long, tok.encode(PROMPTS[1]), long[:20], long[:9]]
+    passes, forward = [], ours.forward
+    monkeypatch.setattr(ours, "forward", lambda ids, **k: passes.append(tuple(ids.shape)) or forward(ids, **k))
+    for kwargs in (dict(temperature=0), dict(seed=4)):
+        passes.clear()
+        together = generate(ours, tok, prompts, n=2, max_new_tokens=10, decode=decode, **kwargs)
+        assert passes[0] == (2, len(long))  # one prefill row for the four openings of long, one for the other
+        for r, shared in enumerate(together):
+            seed = dict(seed=kwargs["seed"] + r) if "seed" in kwargs else {}
+            alone = generate(ours, tok, [prompts[r // 2]], max_new_tokens=10, decode=decode,
+                             **{**kwargs, **seed})[0]
+            assert (shared.prompt_ids, shared.prompt_index, shared.sample_index) == (prompts[r // 2], r // 2, r % 2)
+            assert alone.completion_ids == shared.completion_ids
+            assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(shared.logprobs), atol=1e-5)
+
+
 def test_text_is_cut_at_the_earliest_of_the_stop_strings():
     import data
     # GSM8K's two stop strings both occur here; the blank line before "Question" comes first
