@@ -73,11 +73,15 @@ def words(text):
 def lexical_features(texts, buckets=4096):
     """Hashed word unigrams and bigrams, L2-normalised, (N, buckets). crc32 rather than
     Python's hash(), which is randomised per process."""
-    X = torch.zeros(len(texts), buckets)
+    rows, columns = [], []  # one entry per gram, counted into X in one call
     for i, text in enumerate(texts):
         w = words(text)
-        for gram in w + [f"{a} {b}" for a, b in zip(w, w[1:])]:
-            X[i, zlib.crc32(gram.encode()) % buckets] += 1.0
+        grams = w + [f"{a} {b}" for a, b in zip(w, w[1:])]
+        rows += [i] * len(grams)
+        columns += [zlib.crc32(gram.encode()) % buckets for gram in grams]
+    X = torch.zeros(len(texts), buckets)
+    X.index_put_((torch.tensor(rows, dtype=torch.long), torch.tensor(columns, dtype=torch.long)),
+                 torch.ones(len(rows)), accumulate=True)
     return X / X.norm(dim=1, keepdim=True).clamp(min=1e-12)
 
 
@@ -277,15 +281,19 @@ def full_rollouts(rollout_set):
 
 
 @torch.no_grad()
-def kl_to_base(model, adapter, rollouts, batch_size=16):
+def kl_to_base(model, adapter, rollouts, batch_size=16, base_states=None):
     """RL's Razor's predictor of forgetting (Shenfeld et al. 2025, arXiv 2509.04259):
     KL(pi_base(.|s) || pi(.|s)), exactly over the vocabulary, at every state s of the base's
-    own rollouts (token ids, prompt length), summed over each rollout, averaged over rollouts."""
+    own rollouts (token ids, prompt length), summed over each rollout, averaged over rollouts.
+    base_states, a dict, keeps the base's side of each batch for the next run's call."""
     total, written = 0.0, [r for r in rollouts if len(r[0]) > r[1]]  # an empty rollout has no state to compare
+    base_states = {} if base_states is None else base_states
     for i in range(0, len(written), batch_size):
         sequences, starts = map(list, zip(*written[i:i + batch_size]))
-        base_h, run_h = (train.frozen_states(model, name, sequences, starts)[0] for name in (None, adapter))
-        total += train.token_kl(model, run_h, base_h, model.lm_head.weight, "forward").sum().item()
+        if i not in base_states:
+            base_states[i] = train.frozen_states(model, None, sequences, starts)[0]
+        run_h = train.frozen_states(model, adapter, sequences, starts)[0]
+        total += train.token_kl(model, run_h, base_states[i], model.lm_head.weight, "forward").sum().item()
     return total / max(1, len(rollouts))
 
 
@@ -376,6 +384,7 @@ def main(argv=None):
     rollouts = full_rollouts(base)
     X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
+    base_states = {}  # the base's side of kl_to_base, computed for the first run, read by the rest
 
     for i, run in enumerate(tqdm(args.runs, desc="drift")):
         lora.load_adapter(model, run, name=f"run{i}")
@@ -389,8 +398,9 @@ def main(argv=None):
                       embed=args.embed, centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
-                      kl_to_base=kl_to_base(model, f"run{i}", rollouts), state_nll_reference=base["state_nll_reference"],
-                      state_nll_gold=base["state_nll_gold"], n_states_base=len(X), n_states_run=len(Y), settings=base["settings"],
+                      kl_to_base=kl_to_base(model, f"run{i}", rollouts, base_states=base_states),
+                      state_nll_reference=base["state_nll_reference"], state_nll_gold=base["state_nll_gold"],
+                      n_states_base=len(X), n_states_run=len(Y), settings=base["settings"],
                       fingerprint=fingerprint(args, model.lora_config[f"run{i}"]["sha256"]))
         if not cli.RANK:
             M.write_json(os.path.join(run, args.save_as), result)

@@ -303,3 +303,8 @@ def test_kl_to_base_is_rl_razors_kl_from_the_base_over_the_vocabulary(tiny_model
     assert abs(got - plain(None, "run")) < 1e-5 and got > 1e-3
     assert abs(got - plain("run", None)) > 1e-4  # KL(run || base) is another number
     assert drift.kl_to_base(net, "fresh", rollouts) == 0.0
+    # the base's side kept from one run's call for the next (drift.main's runs): the same numbers
+    kept = {}
+    one = drift.kl_to_base(net, "run", rollouts, batch_size=1)
+    assert drift.kl_to_base(net, "run", rollouts, batch_size=1, base_states=kept) == one and len(kept) == 2
+    assert drift.kl_to_base(net, "fresh", rollouts, batch_size=1, base_states=kept) == 0.0
