@@ -1,9 +1,10 @@
 """
 The pressure study's report (docs/pressure-study.md): P2 read at matched pressure. One signal
-(the mild teacher's continuations), the state source changed alone, each arm pushed across
-the same range of update norms by its learning rate; every run and snapshot is a point
-(update norm, forgetting, GSM8K gain), and the student arm's forgetting is compared with the
-data arm's at matched update norm (and at matched gain) by the rule fixed before the runs.
+(the continuations of an RL teacher, which writes as the base writes), the state source
+changed alone, each arm pushed across the same range of update norms by its learning rate;
+every run and snapshot is a point (update norm, forgetting, GSM8K gain), and the student
+arm's forgetting is compared with the data arm's at matched update norm (and at matched
+gain) by the rule fixed before the runs.
 
     python pressure.py out/toy/pressure     # pressure.md, pressure.json, pressure.png again
 """
@@ -20,6 +21,7 @@ import runs
 
 ARMS = {"student": "student", "teacher": "teacher", "data": "data", "mixed": "student=0.5,data=0.5"}
 ENDS = ("sft", "rl")  # the paper's two ends, described beside the arms
+TEACHER = "rl-teacher"  # the signal's source: the toy's RL run, trained once per seed
 GRID = 8  # matched points over the range two arms share
 JUMP = 0.5  # nats per token: a run whose own states moved this far from the base while it trained
 

@@ -70,17 +70,18 @@ def runs_of(out, seed=0):
 # the pressure study (docs/pressure-study.md): its arms, each script's learning rates and snapshot spacing
 PRESSURE = {
     "toy": dict(arms=(*pressure.ARMS, *pressure.ENDS), snapshot_every={"opd": 20, "sft": 21, "rl": 34},
-                lrs={"opd": (1e-3, 3e-3, 1e-2, 3e-2), "sft": (1e-3, 3e-3, 1e-2, 3e-2), "rl": (3e-4, 1e-3, 3e-3, 1e-2)}),
+                lrs={"opd": (1e-3, 3e-3, 6e-3, 1e-2), "sft": (1e-3, 3e-3, 6e-3, 1e-2), "rl": (3e-4, 1e-3, 3e-3, 1e-2)}),
     "toy-mini": dict(arms=("student", "data"), snapshot_every={"opd": 1}, lrs={"opd": (1e-3,)}),
 }
 
 
 def pressure_runs(out, seed=0, preset="toy"):
-    """name -> (script, arguments): the mild teacher, then every arm of the pressure study at each
-    of its script's learning rates, all with the same seed (seed s > 0: names end in -seed<s>)."""
+    """name -> (script, arguments): the teacher (the toy's RL run, which writes as the base
+    writes), then every arm of the pressure study at each of its script's learning rates, all
+    with the same seed (seed s > 0: names end in -seed<s>)."""
     spec, tag = PRESSURE[preset], f"-seed{seed}" if seed else ""
-    teacher = os.path.join(out, "mild" + tag)
-    conditions = {"mild" + tag: ("sft", ["--preset", "mild", "--seed", str(seed)])}
+    teacher = os.path.join(out, pressure.TEACHER + tag)
+    conditions = {pressure.TEACHER + tag: ("rl", ["--seed", str(seed)])}
     for arm in spec["arms"]:
         script = arm if arm in pressure.ENDS else "opd"
         flags = (["--preset", "mild"] if arm == "sft" else [] if arm == "rl" else

@@ -62,7 +62,7 @@ def test_a_run_whose_own_states_moved_away_is_marked_degenerate(tmp_path):
 def test_run_names_round_trip_and_other_folders_are_not_arms():
     assert pressure.parse_name(pressure.run_name("mixed", 3e-3, 2)) == ("mixed", 3e-3, 2)
     assert pressure.parse_name(pressure.run_name("rl", 1e-2)) == ("rl", 1e-2, 0)
-    assert pressure.parse_name("mild") is None and pressure.parse_name("mild-seed1") is None
+    assert pressure.parse_name(pressure.TEACHER) is None and pressure.parse_name(pressure.TEACHER + "-seed1") is None
 
 
 def test_each_arm_differs_from_the_others_in_its_state_source_alone():
@@ -71,9 +71,9 @@ def test_each_arm_differs_from_the_others_in_its_state_source_alone():
     assert len(opd) == 4 * 4 and len(runs) == 1 + 6 * 4
     for name, argv in opd.items():
         a, lr, seed = pressure.parse_name(name)
-        assert argv == ["--teacher", "out/p/mild-seed1", "--state-source", pressure.ARMS[a], "--lr", str(lr),
+        assert argv == ["--teacher", "out/p/rl-teacher-seed1", "--state-source", pressure.ARMS[a], "--lr", str(lr),
                         "--snapshot-every", "20", "--seed", "1"]
-    assert runs["mild-seed1"] == ("sft", ["--preset", "mild", "--seed", "1"])
+    assert list(runs)[0] == "rl-teacher-seed1" and runs["rl-teacher-seed1"] == ("rl", ["--seed", "1"])  # trained first
 
 
 def test_pressure_study_runs_end_to_end_in_miniature(tmp_path):
@@ -88,7 +88,7 @@ def test_pressure_study_runs_end_to_end_in_miniature(tmp_path):
     for arm_name in ("student", "data"):  # every point is evaluated; the data arm trains on the gold answers
         assert (out / pressure.run_name(arm_name, 1e-3) / "snapshots" / "step-000001" / "eval.json").is_file()
     run = json.loads((out / pressure.run_name("data", 1e-3) / "run.json").read_text())
-    assert run["state_source"] == "data" and run["lr"] == 1e-3 and run["teacher"] == str(out / "mild")
+    assert run["state_source"] == "data" and run["lr"] == 1e-3 and run["teacher"] == str(out / pressure.TEACHER)
     assert report["matched_norm"]["verdict"] in ("supported", "refuted", "undecided", "not tested")
     assert "P2 at matched update norm" in (out / "pressure.md").read_text()
     assert (out / "pressure.png").stat().st_size > 1000
