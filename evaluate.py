@@ -330,6 +330,19 @@ def write_eval(folder, results, samples):
                    lambda p: open(p, "w").write("".join(json.dumps(s) + "\n" for s in samples)))
 
 
+def with_other_tasks(folder, scores, samples, args, sha):
+    """scores and samples, with the columns (and their samples) that folder's eval.json holds
+    of tasks this evaluation did not run, measured on the same model and adapter: evaluating
+    one task again leaves the other tasks' numbers in place."""
+    path, model = os.path.join(folder, "eval.json"), runs.model_identity(args.model)
+    old = M.read_json(path) if os.path.isfile(path) else {}
+    kept = {k: v for k, v in old.items() if k not in scores and isinstance(v, dict) and "fingerprint" in v
+            and (v["fingerprint"].get("model"), v["fingerprint"].get("adapter_sha256")) == (model, sha)}
+    if not kept:
+        return scores, samples
+    return {**kept, **scores}, [s for s in read_samples(folder) or [] if s["task"] in kept] + samples
+
+
 def check_base(base_path, args):
     """Stop unless the base's eval.json in base_path scored each retention task as args would,
     on the same model: forgetting compares a run with its base on the very same questions."""
@@ -383,6 +396,7 @@ def main(argv=None):
             scores, samples = evaluate(model, tok, args)
             for column, result in scores.items():  # what each number is of
                 result["fingerprint"] = fingerprint(args, column, sha)
+            scores, samples = with_other_tasks(folder, scores, samples, args, sha)
             if run != "base" and os.path.isfile(base_path):
                 scores["retention"] = retention(retention_scores(M.read_json(base_path)), retention_scores(scores),
                                                 paired_stderr(read_samples(args.out), samples, args.out))

@@ -245,6 +245,23 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     assert "| base |" in table and "| stress |" in table and "0.420" in table  # paper's stress GSM8K beside ours
     assert (out / "results.md").read_text() in table + "\n"
 
+    # one task again: the other tasks' numbers and samples of the same adapter stay; another adapter's go
+    samples = E.read_samples(str(run))
+    subprocess.run(cmd + ["--tasks", "truthfulqa", str(run)], check=True, capture_output=True, text=True)
+    again = json.loads((run / "eval.json").read_text())
+    assert {k: again[k] for k in ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa", "retention")} == {
+        k: result[k] for k in ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa", "retention")}
+    assert sorted(map(json.dumps, E.read_samples(str(run)))) == sorted(map(json.dumps, samples))
+    with torch.no_grad():
+        for p in lora.lora_parameters(m):
+            p.normal_(0, 0.5)
+    lora.save_adapter(m, str(run))
+    subprocess.run(cmd + ["--tasks", "truthfulqa", str(run)], check=True, capture_output=True, text=True)
+    fresh = json.loads((run / "eval.json").read_text())
+    assert sorted(fresh) == ["retention", "settings", "truthfulqa"] and list(fresh["retention"]["per_task"]) == [
+        "truthfulqa"]
+    assert {s["task"] for s in E.read_samples(str(run))} == {"truthfulqa"}
+
     bad = subprocess.run(cmd + [str(tmp_path)], capture_output=True, text=True)
     assert bad.returncode != 0 and "is not a run folder" in bad.stderr.strip().splitlines()[-1]
 
