@@ -87,19 +87,21 @@ def prefill(model, prompt_ids, n, pad_id, max_new_tokens):
     device = model.lm_head.weight.device
     hosts = [i for i, p in enumerate(prompt_ids) if not any(  # no longer prompt starts with p, no earlier equal one
         len(q) > len(p) and q[:len(p)] == p or (q == p and j < i) for j, q in enumerate(prompt_ids))]
-    host_of = [next(k for k, h in enumerate(hosts) if prompt_ids[h][:len(p)] == p) for p in prompt_ids]
     ids, mask = left_pad([prompt_ids[h] for h in hosts], pad_id, device)
     cache = model.new_cache(len(hosts), ids.shape[1] + max_new_tokens)
     hidden = model(ids, attention_mask=mask, cache=cache, hidden_only=True)
-    rows = torch.tensor([host_of[r // n] for r in range(len(prompt_ids) * n)], device=device)
+    # each prompt's row, and the column after its last token: its row's end, less what the row holds beyond it
+    host = [next(k for k, h in enumerate(hosts) if prompt_ids[h][:len(p)] == p) for p in prompt_ids]
+    end = torch.tensor([ids.shape[1] - len(prompt_ids[hosts[k]]) + len(p) for k, p in zip(host, prompt_ids)],
+                       device=device)
+    host = torch.tensor(host, device=device)
+    logits = model.lm_head(hidden[host, end - 1]).float()  # (prompts, vocab): each prompt's next token once
     if len(hosts) == len(prompt_ids) and n == 1:  # each prompt its own row, as most calls have it
-        return cache, mask, model.lm_head(hidden[:, -1]).float()
-    # the column after each row's last token: its host's end, less what the host has beyond the prompt
-    ends = ids.shape[1] - torch.tensor([len(prompt_ids[hosts[host_of[r // n]]]) - len(prompt_ids[r // n])
-                                        for r in range(len(rows))], device=device)
-    cache.select_rows(rows)
-    mask = mask[rows] * (torch.arange(ids.shape[1], device=device) < ends[:, None])
-    return cache, mask, model.lm_head(hidden[rows, ends - 1]).float()
+        return cache, mask, logits
+    rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # the prompt of each sample
+    cache.select_rows(host[rows])
+    mask = mask[host[rows]] * (torch.arange(ids.shape[1], device=device) < end[rows, None])
+    return cache, mask, logits[rows]
 
 
 def next_logits(model, ids, mask, cache):
