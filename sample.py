@@ -9,7 +9,8 @@ one thing in this code base: tokens this function returned for the current weigh
 the log-probs the training pass (train.sequence_logprobs) gives them.
 
 Prompts are left-padded into one batch and prefilled once; a prompt's n samples copy its
-rows of the KV cache. Each sample draws its randomness from a generator of its own, so it
+rows of the KV cache, and a prompt that opens another (OPD's cut points of one trajectory)
+reads that one's. Each sample draws its randomness from a generator of its own, so it
 does not depend on what else is in the batch. Off CUDA, finished rows leave the batch, so
 that a long straggler does not make every other row pay for its tokens; on CUDA the
 decode step is captured once as a CUDA graph at a fixed shape and replayed, since
