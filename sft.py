@@ -72,7 +72,7 @@ def main(argv=None):
     total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule; --max-steps stops early
     end = min(total, args.max_steps) if args.max_steps else total
 
-    base_nll = {}  # example -> the base's (NLL, tokens) of its answer, which no step changes: measured once
+    base_logp = {}  # example -> the base's log-probs of its answer, which no step changes: measured once
     for step in run.steps(model, optimizer, end, "sft"):
         picked = data.batch_indices(len(examples), step, args.batch_size, args.seed)
         picked = picked[slice(*cli.split(len(picked), "--batch-size"))]  # under torchrun, this process's share
@@ -85,12 +85,12 @@ def main(argv=None):
         run.check_finite(step + 1, loss)
         lr, grad_norm = train.optimizer_step(optimizer, step, total, args)
         # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
-        new = [k for k, i in enumerate(picked) if i not in base_nll]
+        new = [k for k, i in enumerate(picked) if i not in base_logp]
         logprobs = train.base_logprobs(model, [sequences[k] for k in new], [starts[k] for k in new], args, tok.pad_id)
-        base_nll.update((picked[k], (-lp.sum().item(), len(lp))) for k, lp in zip(new, logprobs))
+        base_logp.update((picked[k], lp) for k, lp in zip(new, logprobs))
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr,
                      grad_norm=grad_norm, tokens=n_tokens),
-                state_nll_base=(sum(base_nll[i][0] for i in picked), sum(base_nll[i][1] for i in picked)))
+                state_nll_base=train.base_nll([base_logp[i] for i in picked]))
     print(f"done: adapter in {args.out}")
 
 
