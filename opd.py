@@ -88,19 +88,19 @@ def load_teacher(model, tok, args):
 
 
 def draw_states(source, model, teacher, tok, batch, args, seed):
-    """The step's state trajectories for its prompts: (sequences, starts, answer texts).
-    student: the student's own rollouts (OPD); teacher: the teacher's (offline
-    distillation); data: the gold solutions (SFT's states)."""
+    """The step's state trajectories for its prompts: (sequences, starts, answer texts, the
+    student's sampler log-probs or None). student: the student's own rollouts (OPD); teacher:
+    the teacher's (offline distillation); data: the gold solutions (SFT's states)."""
     if source == "data":
         gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
         sequences, starts = [p + a[:args.max_new_tokens] for p, a in gold], [len(p) for p, _ in gold]
-        return sequences, starts, [tok.decode(s[st:]) for s, st in zip(sequences, starts)]
+        return sequences, starts, [tok.decode(s[st:]) for s, st in zip(sequences, starts)], [None] * len(gold)
     sampler, adapter = (model, "default") if source == "student" else teacher
     with lora.use_adapter(sampler, adapter):
         rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch], seed=seed,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=data.GSM8K_STOP)
     return [r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts], [
-        r.text for r in rollouts]
+        r.text for r in rollouts], [r.logprobs if source == "student" else None for r in rollouts]
 
 
 def teacher_continuations(teacher, tok, sequences, starts, args, key):
@@ -121,13 +121,13 @@ def teacher_continuations(teacher, tok, sequences, starts, args, key):
     return [prefixes[i] + targets[i] for i in kept], [len(prefixes[i]) for i in kept]
 
 
-def where_states_lie(model, teacher, sequences, starts, args, pad_id):
+def where_states_lie(model, teacher, sequences, starts, sampled, args, pad_id):
     """run.log's means of where the step's states lie: the learner's and the base's NLL of the
     trajectories and, with --log-state-kl, the teacher-student KL (--signal logits: the loss)."""
-    student_h, targets, _ = train.frozen_states(model, "default", sequences, starts, pad_id)
-    out = dict(state_nll=(-model.token_logprobs(student_h, targets).sum().item(), len(targets)),
+    out = dict(state_nll=train.learner_nll(model, sequences, starts, sampled, pad_id),
                state_nll_base=train.base_nll(train.base_logprobs(model, sequences, starts, args, pad_id)))
     if args.log_state_kl and args.signal != "logits":
+        student_h = train.frozen_states(model, "default", sequences, starts, pad_id)[0]
         teacher_h = train.frozen_states(*teacher, sequences, starts, pad_id)[0]
         kl = train.token_kl(model, student_h, teacher_h, teacher[0].lm_head.weight, args.kl)
         out["state_kl"] = (kl.sum().item(), len(kl))
@@ -155,8 +155,8 @@ def main(argv=None):
         sources = data.state_sources(weights, len(batch), (args.seed, step, first))
         drawn = {s: draw_states(s, model, teacher, tok, batch, args, run.step_seed(step) + first)
                  for s in set(sources)}  # each source every prompt: its own stream, mixed or not
-        sequences, starts, texts = ([drawn[s][k][i] for i, s in enumerate(sources)] for k in range(3))
-        measures = where_states_lie(model, teacher, sequences, starts, args, tok.pad_id)
+        sequences, starts, texts, sampled = ([drawn[s][k][i] for i, s in enumerate(sources)] for k in range(4))
+        measures = where_states_lie(model, teacher, sequences, starts, sampled, args, tok.pad_id)
 
         # the signal: the teacher's continuations of the states at the cut points, or its next-token distribution
         if args.signal == "continuation":

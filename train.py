@@ -10,6 +10,7 @@ len(seq)) are trained on, each with its next token seq[t] as the target. One ste
                                         hidden states) at every trained state, with common
                                         prefixes laid out once (shared_rows)
   base_logprobs, base_nll               the same tokens under the frozen base: state_nll_base
+  learner_nll                           ... under the learner, from the sampler where it drew them
   token_nll, token_kl                   losses at those states: cross-entropy on given
                                         tokens, the per-state KL to a teacher
   backward                              micro-batches under a token bound, each loss weighed
@@ -146,6 +147,19 @@ def base_nll(logprobs):
     """(summed NLL, tokens) of base_logprobs' output: state_nll_base, where a step's states lie,
     measured the same way in every script (SFT's gold answers, RL's and OPD's rollouts)."""
     return -sum(lp.sum().item() for lp in logprobs), sum(map(len, logprobs))
+
+
+@torch.no_grad()
+def learner_nll(model, sequences, starts, sampled, pad_id=0):
+    """(summed NLL, tokens) of the trajectories under the learner (adapter 'default', eval
+    mode): a trajectory the learner drew itself brings its sampler's log-probs (the same
+    policy, sample.py), one it did not (None) is read by a forward: state_nll."""
+    rest = [i for i, lp in enumerate(sampled) if lp is None]
+    nll, n = -sum(sum(lp) for lp in sampled if lp is not None), sum(len(lp) for lp in sampled if lp is not None)
+    if rest:
+        h, targets, _ = frozen_states(model, "default", [sequences[i] for i in rest], [starts[i] for i in rest], pad_id)
+        nll, n = nll - model.token_logprobs(h, targets).sum().item(), n + len(targets)
+    return nll, n
 
 
 def token_nll(logp):

@@ -47,6 +47,29 @@ def test_sequence_logprobs_give_each_sequence_what_it_has_alone(tiny_models, nam
         train.sequence_logprobs(ours, [a, [1, 2, 3]], [2, 0])
 
 
+def test_learner_nll_takes_the_samplers_log_probs_where_the_learner_drew_the_trajectory(tiny_model):
+    """state_nll: an OPD step whose states are the student's own rollouts reads them from the
+    sampler (no second forward); gold or teacher trajectories (None) are read by the learner."""
+    import lora
+    from sample import generate
+    ours, tok = M.load(tiny_model)
+    lora.add_lora(ours, rank=4, alpha=8)
+    randomize_adapter(ours)
+    ours.train()  # as amid a step: the measure is the eval-mode learner, dropout or not
+    rollouts = generate(ours.eval(), tok, ["Question: 3 + 4?", "Question: 12 apples"], max_new_tokens=6, seed=1)
+    ours.train()
+    sequences, starts = [r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts]
+    sampled = [r.logprobs for r in rollouts]
+    forward = train.learner_nll(ours, sequences, starts, [None, None])
+    nll, n = train.learner_nll(ours, sequences, starts, sampled)
+    assert n == forward[1] == sum(map(len, sampled)) and abs(nll - forward[0]) < 1e-4
+    # rows with log-probs are taken as given, the others read by a forward
+    zeros = [[0.0] * len(sampled[0]), None]
+    assert train.learner_nll(ours, sequences, starts, zeros) == (
+        train.learner_nll(ours, sequences[1:], starts[1:], [None])[0], n)
+    assert ours.training
+
+
 def test_shared_rows_lay_each_common_prefix_out_once_and_short_sequences_side_by_side():
     trunk = list(range(100, 130))
     sequences = [trunk[:20] + [1, 2], trunk, trunk[:25] + [3], list(range(200, 210)), trunk[:15] + [4], [7] * 12]
