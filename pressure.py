@@ -137,9 +137,36 @@ def reading(root):
     return out
 
 
+def ends(points):
+    """Per (arm, lr), the runs' last points over seeds: seeds, and the mean (and standard deviation
+    over seeds) of update norm, forgetting, GSM8K gain and state distance; degenerate runs counted."""
+    last = {}
+    for p in points:
+        if p["step"] >= last.get(p["run"], p)["step"]:
+            last[p["run"]] = p
+    out = {}
+    for p in last.values():
+        out.setdefault((p["arm"], p["lr"]), []).append(p)
+    stat = lambda v: (sum(v) / len(v), math.sqrt(sum((x - sum(v) / len(v)) ** 2 for x in v) / (len(v) - 1))  # noqa: E731
+                      if len(v) > 1 else None)
+    return [dict(arm=arm, lr=lr, seeds=len(g), degenerate=sum(p["degenerate"] for p in g),
+                 **{k: stat([p[k] for p in g if p[k] is not None] or [math.nan])
+                    for k in ("norm", "forgetting", "gain", "state_distance")})
+            for (arm, lr), g in sorted(out.items())]
+
+
 def markdown(r):
-    lines = ["# The pressure study", "", "| run | arm | lr | seed | step | update norm | forgetting | GSM8K gain | "
-             "state distance | degenerate |", "|---|---|---|---|---|---|---|---|---|---|"]
+    pm = lambda s, f: "-" if math.isnan(s[0]) else f"{s[0]:{f}}" + (  # noqa: E731
+        "" if s[1] is None else f" ± {s[1]:{f.lstrip('+')}}")
+    lines = ["# The pressure study", "", "The end of each run, mean over seeds ± their standard deviation:", "",
+             "| arm | lr | seeds | update norm | forgetting | GSM8K gain | state distance | degenerate |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in ends(r["points"]):
+        marked = f"{e['degenerate']} of {e['seeds']}" if e["degenerate"] else ""
+        lines.append(f"| {e['arm']} | {e['lr']:g} | {e['seeds']} | {pm(e['norm'], '.1f')} | {pm(e['forgetting'], '.3f')}"
+                     f" | {pm(e['gain'], '+.3f')} | {pm(e['state_distance'], '.2f')} | {marked} |")
+    lines += ["", "Every point (a run's snapshots and its end):", "", "| run | arm | lr | seed | step | update norm | "
+              "forgetting | GSM8K gain | state distance | degenerate |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["points"]:
         sd = "-" if p["state_distance"] is None else f"{p['state_distance']:.2f}"
         lines.append(f"| {p['run']} | {p['arm']} | {p['lr']:g} | {p['seed']} | {p['step']} | {p['norm']:.2f} | "

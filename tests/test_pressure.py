@@ -106,3 +106,19 @@ def test_precondition_c_weighs_each_run_once_however_many_of_its_points_were_eva
     r = pressure.reading("unused")
     assert r["state_distance"] == {"student": pytest.approx(0.55), "data": pytest.approx(0.9)}
     assert r["precondition"] is True and r["matched_norm"]["verdict"] == "undecided"  # no points: no shared range
+
+
+def test_the_summary_reads_each_runs_end_over_seeds():
+    def point(seed, step, norm, forgetting, bad=False):
+        return dict(run=pressure.run_name("student", 1e-3, seed), arm="student", lr=1e-3, seed=seed, step=step,
+                    norm=norm, forgetting=forgetting, gain=0.01 * seed, state_distance=0.1, degenerate=bad)
+    points = [point(0, 20, 1.0, 0.50), point(0, 60, 2.0, 0.10), point(1, 60, 4.0, 0.30, bad=True),
+              point(1, 20, 3.0, 0.90)]  # snapshots (step 20) are not ends, in whatever order they come
+    (row,) = pressure.ends(points)
+    assert (row["arm"], row["lr"], row["seeds"], row["degenerate"]) == ("student", 1e-3, 2, 1)
+    assert row["norm"] == pytest.approx((3.0, math.sqrt(2))) and row["forgetting"] == pytest.approx((0.2, math.sqrt(0.02)))
+    report = dict(points=points, state_distance={"student": 0.1, "data": None}, precondition=False, question_se=0.02,
+                  matched_norm=dict(verdict="not tested", why="precondition C fails"),
+                  matched_gain=dict(verdict="not tested", why="precondition C fails"))
+    assert "| student | 0.001 | 2 | 3.0 ± 1.4 | 0.200 ± 0.141 | +0.005 ± 0.007 | 0.10 ± 0.00 | 1 of 2 |" in (
+        pressure.markdown(report))
