@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import re
+import statistics
 
 import cli
 import lora
@@ -147,24 +148,25 @@ def ends(points):
     out = {}
     for p in last.values():
         out.setdefault((p["arm"], p["lr"]), []).append(p)
-    stat = lambda v: (sum(v) / len(v), math.sqrt(sum((x - sum(v) / len(v)) ** 2 for x in v) / (len(v) - 1))  # noqa: E731
-                      if len(v) > 1 else None)
-    return [dict(arm=arm, lr=lr, seeds=len(g), degenerate=sum(p["degenerate"] for p in g),
-                 **{k: stat([p[k] for p in g if p[k] is not None] or [math.nan])
-                    for k in ("norm", "forgetting", "gain", "state_distance")})
-            for (arm, lr), g in sorted(out.items())]
+    rows = []
+    for (arm, lr), group in sorted(out.items()):
+        row = dict(arm=arm, lr=lr, seeds=len(group), degenerate=sum(p["degenerate"] for p in group))
+        for k in ("norm", "forgetting", "gain", "state_distance"):
+            values = [p[k] for p in group if p[k] is not None]
+            row[k] = (statistics.mean(values) if values else None, statistics.stdev(values) if len(values) > 1 else None)
+        rows.append(row)
+    return rows
 
 
 def markdown(r):
-    pm = lambda s, f: "-" if math.isnan(s[0]) else f"{s[0]:{f}}" + (  # noqa: E731
-        "" if s[1] is None else f" ± {s[1]:{f.lstrip('+')}}")
-    lines = ["# The pressure study", "", "The end of each run, mean over seeds ± their standard deviation:", "",
+    lines = ["# The pressure study", "", "The end of each run over seeds, mean±standard deviation:", "",
              "| arm | lr | seeds | update norm | forgetting | GSM8K gain | state distance | degenerate |",
              "|---|---|---|---|---|---|---|---|"]
     for e in ends(r["points"]):
         marked = f"{e['degenerate']} of {e['seeds']}" if e["degenerate"] else ""
-        lines.append(f"| {e['arm']} | {e['lr']:g} | {e['seeds']} | {pm(e['norm'], '.1f')} | {pm(e['forgetting'], '.3f')}"
-                     f" | {pm(e['gain'], '+.3f')} | {pm(e['state_distance'], '.2f')} | {marked} |")
+        cells = [results.fmt(e[k][0], spec, e[k][1]) for k, spec in
+                 (("norm", ".1f"), ("forgetting", ".3f"), ("gain", ".3f"), ("state_distance", ".2f"))]
+        lines.append(f"| {e['arm']} | {e['lr']:g} | {e['seeds']} | {' | '.join(cells)} | {marked} |")
     lines += ["", "Every point (a run's snapshots and its end):", "", "| run | arm | lr | seed | step | update norm | "
               "forgetting | GSM8K gain | state distance | degenerate |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["points"]:

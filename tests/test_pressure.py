@@ -120,5 +120,5 @@ def test_the_summary_reads_each_runs_end_over_seeds():
     report = dict(points=points, state_distance={"student": 0.1, "data": None}, precondition=False, question_se=0.02,
                   matched_norm=dict(verdict="not tested", why="precondition C fails"),
                   matched_gain=dict(verdict="not tested", why="precondition C fails"))
-    assert "| student | 0.001 | 2 | 3.0 ± 1.4 | 0.200 ± 0.141 | +0.005 ± 0.007 | 0.10 ± 0.00 | 1 of 2 |" in (
+    assert "| student | 0.001 | 2 | 3.0±1.4 | 0.200±0.141 | 0.005±0.007 | 0.10±0.00 | 1 of 2 |" in (
         pressure.markdown(report))
