@@ -89,28 +89,37 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     return results
 
 
+def complete(model, tok, prompts, args, desc, n=1, temperature=0.0, seed=None):
+    """n completions of each prompt (a list of n texts a prompt), in batches of like lengths;
+    seeded, batch b's draw from seed + b * batch_size * n on, as under torchrun."""
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths share a batch
+    batches = [order[start:start + args.batch_size] for start in range(0, len(order), args.batch_size)]
+    texts = []
+    for b in tqdm(range(*cli.split(len(batches))), desc=desc, leave=False):  # torchrun: this process's share
+        outs = generate(model, tok, [prompts[i] for i in batches[b]], n=n, max_new_tokens=args.max_new_tokens,
+                        temperature=temperature, stop=data.GSM8K_STOP,
+                        seed=None if seed is None else seed + b * args.batch_size * n)
+        texts.append([r.text for r in outs])
+    completions = {i: outs[k * n:(k + 1) * n]  # under torchrun, every process's batches
+                   for batch, outs in zip(batches, cli.joined(texts)) for k, i in enumerate(batch)}
+    return [completions[i] for i in range(len(prompts))]
+
+
+def gsm8k_rows(args):
+    return data.load_gsm8k("test", args.data_dir)[:args.gsm8k_limit or None]  # 0: all
+
+
 def eval_gsm8k(model, tok, args, shots):
     """Greedy GSM8K accuracy with `shots` solved train examples before each question: 0 is the
     format RL, OPD and drift prompt with (the states the methods train on), 5 lm-eval's."""
-    test, train = data.load_gsm8k("test", args.data_dir), data.load_gsm8k("train", args.data_dir)
-    rows = test[:args.gsm8k_limit] if args.gsm8k_limit > 0 else test
+    rows, train = gsm8k_rows(args), data.load_gsm8k("train", args.data_dir)
     if shots > len(train):  # slicing would give fewer shots than asked, silently
         raise M.InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train)} examples; pass "
                            f"--gsm8k-fewshot {len(train)} or fewer (lm-evaluation-harness uses 5)")
     prompts = data.gsm8k_fewshot_prompts([r["question"] for r in rows], train, shots)
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths share a batch
-    batches = [order[start:start + args.batch_size] for start in range(0, len(order), args.batch_size)]
-    texts = []
-    for batch in tqdm(batches[slice(*cli.split(len(batches)))], desc=f"gsm8k {shots}-shot", leave=False):
-        outs = generate(model, tok, [prompts[i] for i in batch], max_new_tokens=args.max_new_tokens,
-                        temperature=0, stop=data.GSM8K_STOP)
-        texts.append([r.text for r in outs])
-    completions = [None] * len(prompts)
-    for batch, outs in zip(batches, cli.joined(texts)):  # under torchrun, every process's batches
-        for i, text in zip(batch, outs):
-            completions[i] = text
+    completions = complete(model, tok, prompts, args, f"gsm8k {shots}-shot")
     samples = []
-    for i, (row, text) in enumerate(zip(rows, completions)):
+    for i, (row, [text]) in enumerate(zip(rows, completions)):
         strict, flexible = data.extract_answer(text, "strict"), data.extract_answer(text, "flexible")
         samples.append(dict(task=gsm8k_key(shots), index=i, prompt=prompts[i], completion=text, gold=row["gold"],
                             strict=strict, flexible=flexible, correct=data.same_number(flexible, row["gold"]),
@@ -118,6 +127,29 @@ def eval_gsm8k(model, tok, args, shots):
     return dict(**mean_and_stderr("flexible", [s["correct"] for s in samples]),
                 **mean_and_stderr("strict", [s["strict_correct"] for s in samples]),
                 n=len(samples), shots=shots), samples
+
+
+def pass_at_k(n, c, k):
+    """The unbiased estimator of pass@k from n samples of which c are right (Chen et al. 2021,
+    arXiv 2107.03374): 1 - C(n - c, k) / C(n, k), written as a product that cannot overflow."""
+    return 1.0 if n - c < k else 1.0 - math.prod(1 - k / i for i in range(n - c + 1, n + 1))
+
+
+SAMPLE_SEED = 0  # the draws of --samples: the same for every model, so that their pass@k compare
+
+
+def eval_gsm8k_samples(model, tok, args):
+    """--samples K temperature-1 completions of each 0-shot GSM8K question: pass@k for every k
+    up to K, and the mean accuracy of the samples (pass@1), each right by the flexible answer."""
+    rows, K = gsm8k_rows(args), args.samples
+    prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
+    completions = complete(model, tok, prompts, args, f"gsm8k {K} samples", K, 1.0, SAMPLE_SEED)
+    samples = [dict(task="gsm8k_samples", index=i, prompt=prompts[i], completions=texts, gold=row["gold"],
+                    correct=[data.same_number(data.extract_answer(t, "flexible"), row["gold"]) for t in texts])
+               for i, (row, texts) in enumerate(zip(rows, completions))]
+    right = [sum(s["correct"]) for s in samples]
+    return dict(**mean_and_stderr("mean", [c / K for c in right]), n=len(samples), samples=K,
+                **{f"pass@{k}": sum(pass_at_k(K, c, k) for c in right) / len(right) for k in range(1, K + 1)}), samples
 
 
 def gsm8k_key(shots):
@@ -191,8 +223,8 @@ def mean_and_stderr(name, values):
 # the flags that decide the questions and prompts of each eval.json column: with --mmlu-limit 0
 # every MMLU question is asked, whichever the seed
 COLUMN_FLAGS = {"gsm8k": ("gsm8k_limit", "max_new_tokens"), "gsm8k_fewshot": ("gsm8k_limit", "gsm8k_fewshot",
-                "max_new_tokens"), "mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"),
-                "truthfulqa": ("truthfulqa_limit",)}
+                "max_new_tokens"), "gsm8k_samples": ("gsm8k_limit", "max_new_tokens", "samples"),
+                "mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"), "truthfulqa": ("truthfulqa_limit",)}
 
 
 def fingerprint(args, column, adapter_sha256=None):
@@ -207,7 +239,8 @@ def fingerprint(args, column, adapter_sha256=None):
 def columns(args):
     """The eval.json columns that evaluate.py's flags ask for."""
     tasks = args.tasks.split(",")
-    return [k for t in tasks for k in ([t, "gsm8k_fewshot"] if t == "gsm8k" and args.gsm8k_fewshot else [t])]
+    gsm8k = ["gsm8k"] + ["gsm8k_fewshot"] * (args.gsm8k_fewshot > 0) + ["gsm8k_samples"] * (args.samples > 0)
+    return [k for t in tasks for k in (gsm8k if t == "gsm8k" else [t])]
 
 
 def done(folder, args):
@@ -297,6 +330,9 @@ def add_eval_args(p):
     p.add_argument("--gsm8k-fewshot", type=cli.number(int, 0), default=5,
                    help="also score GSM8K with this many solved train examples before each question, as "
                         "lm-evaluation-harness does (0 = only the 0-shot score, the format the methods train on)")
+    p.add_argument("--samples", type=cli.number(int, 0), default=0,
+                   help="also draw this many temperature-1 completions of each 0-shot GSM8K question: pass@k for "
+                        "every k up to it (Chen et al. 2021's unbiased estimator) and their mean accuracy")
     p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="GSM8K generation budget")
     p.add_argument("--mmlu-limit", type=cli.number(int, 0), default=500,
                    help="MMLU test questions, stratified over subjects (0 = all 14,042)")
@@ -316,6 +352,9 @@ def evaluate(model, tok, args):
         if task == "gsm8k":
             for shots in [0] + [args.gsm8k_fewshot] * (args.gsm8k_fewshot > 0):
                 results[gsm8k_key(shots)], part = eval_gsm8k(model, tok, args, shots)
+                samples += part
+            if args.samples:
+                results["gsm8k_samples"], part = eval_gsm8k_samples(model, tok, args)
                 samples += part
         else:
             results[task], part = {"mmlu": eval_mmlu, "truthfulqa": eval_truthfulqa}[task](model, tok, args)

@@ -40,7 +40,7 @@ PAPER = {
 # the table's row order: the paper's, with kd-stress and opd-sampled (not in the paper) beside the runs they contrast
 RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl"]
 # the table's columns that come from a result with a fingerprint (eval.json's tasks; drift.json)
-COLUMNS = ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa")
+COLUMNS = ("gsm8k", "gsm8k_fewshot", "gsm8k_samples", "mmlu", "truthfulqa")
 # the candidate predictors of forgetting: (column, what results.md calls it)
 PREDICTORS = (("update_norm", "update norm"), ("mmd2", "MMD^2 of the states (P4)"),
               ("state_distance", "state distance"), ("kl_to_base", "KL to the base (RL's Razor)"))
@@ -118,8 +118,10 @@ def table_rows(found):
     for name, run in found.items():
         e, d = run["eval"], run.get("drift", {})
         ret, nll, reference = e.get("retention", {}), run.get("state_nll_base"), d.get("state_nll_reference")
+        drawn = e.get("gsm8k_samples", {})  # evaluate.py --samples K: pass@K and the samples' mean
         rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"),
                          gsm8k_fewshot=e.get("gsm8k_fewshot", {}).get("flexible"),
+                         gsm8k_pass=drawn.get(f"pass@{drawn.get('samples')}"), gsm8k_mean=drawn.get("mean"),
                          truthfulqa=e.get("truthfulqa", {}).get("mc1"), mmlu=e.get("mmlu", {}).get("acc"),
                          mmd2=d.get("mmd2"), mmd=None if d.get("mmd2") is None else max(d["mmd2"], 0.0) ** 0.5,
                          forgetting=ret.get("forgetting"), forgetting_stderr=ret.get("forgetting_stderr"),
@@ -129,7 +131,7 @@ def table_rows(found):
     return rows
 
 
-METRICS = ("gsm8k", "gsm8k_fewshot", "truthfulqa", "mmlu", "mmd2", "mmd", "forgetting", "forgetting_stderr",
+METRICS = ("gsm8k", "gsm8k_fewshot", "gsm8k_pass", "gsm8k_mean", "truthfulqa", "mmlu", "mmd2", "mmd", "forgetting", "forgetting_stderr",
            "retention", "state_distance", "kl_to_base", "update_norm")
 
 
@@ -152,17 +154,8 @@ def group_seeds(rows):
 
 def ranks(values):
     """1-based ranks, ties sharing the mean of the ranks they span."""
-    order = sorted(range(len(values)), key=lambda i: values[i])
-    out = [0.0] * len(values)
-    i = 0
-    while i < len(order):
-        j = i
-        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
-            j += 1
-        for k in order[i:j + 1]:
-            out[k] = (i + j) / 2 + 1
-        i = j + 1
-    return out
+    ordered = sorted(values)  # v's ties span ranks first + 1 .. first + count
+    return [ordered.index(v) + (ordered.count(v) + 1) / 2 for v in values]
 
 
 def permutation_p(x, y, rounds=10_000, seed=0):
@@ -228,7 +221,9 @@ def results_markdown(found):
     rows = group_seeds(single_rows)
     fewshot = [("gsm8k_fewshot", "GSM8K few-shot", ".3f", "spread")] if any(
         r["gsm8k_fewshot"] is not None for r in rows) else []
-    cols = [("gsm8k", "GSM8K 0-shot", ".3f", "paper"), *fewshot, ("truthfulqa", "TruthfulQA", ".3f", "paper"),
+    K = next((r["eval"]["gsm8k_samples"]["samples"] for r in found.values() if "gsm8k_samples" in r["eval"]), 0)
+    drawn = [("gsm8k_pass", f"pass@{K}", ".3f", "spread"), ("gsm8k_mean", "sampled", ".3f", "spread")] * (K > 0)
+    cols = [("gsm8k", "GSM8K 0-shot", ".3f", "paper"), *fewshot, *drawn, ("truthfulqa", "TruthfulQA", ".3f", "paper"),
             ("mmlu", "MMLU", ".3f", "paper"), ("mmd2", "MMD^2", ".4g", "spread"), ("mmd", "MMD", ".4g", "paper"),
             ("forgetting", "forgetting", ".4f", "paper"), ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"),
             ("retention", "retention", ".4f", "paper"), ("state_distance", "state distance", ".3f", "spread"),
@@ -237,6 +232,8 @@ def results_markdown(found):
     lines = [("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "") +
              "GSM8K flexible accuracy, greedy, 0-shot in the format the methods train on" +
              (" (few-shot: lm-evaluation-harness's 5 solved examples first)" if fewshot else "") +
+             (f"; pass@{K} and sampled: of {K} temperature-1 samples a question, the chance that one "
+              f"of {K} is right (Chen et al. 2021's estimator) and their mean accuracy" if K else "") +
              "; TruthfulQA MC1; MMLU accuracy; MMD^2 of rollout states against the base and MMD = sqrt(max(MMD^2, 0))" +
              (" (Table 2's column is headed MMD)" if with_paper else "") +
              "; forgetting and retention averaged over TruthfulQA and MMLU. "

@@ -1,4 +1,5 @@
 import argparse
+import itertools
 import json
 import os
 import random
@@ -17,6 +18,7 @@ import results
 import model as M
 import runs
 from conftest import DEVICES, ROOT
+from sample import generate
 
 
 def brute_force(ref, tok, context, continuation):
@@ -189,14 +191,17 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", tiny_model, "--data-dir", data_dir,
            "--out", str(out), "--gsm8k-limit", "8", "--mmlu-limit", "8", "--truthfulqa-limit", "8",
            "--max-new-tokens", "16", "--gsm8k-fewshot", "1", "--mmlu-shots", "1", "--batch-size", "4",
-           "--device", device]
+           "--samples", "2", "--device", device]
     subprocess.run(cmd + ["base"], check=True, capture_output=True, text=True)
     base = json.loads((out / "eval.json").read_text())
     assert base["gsm8k"]["n"] == base["gsm8k_fewshot"]["n"] == base["mmlu"]["n"] == base["truthfulqa"]["n"] == 8
     assert (base["gsm8k"]["shots"], base["gsm8k_fewshot"]["shots"]) == (0, 1)
+    assert base["gsm8k_samples"]["n"] == 8 and base["gsm8k_samples"]["fingerprint"]["samples"] == 2
+    assert sorted(base["gsm8k_samples"]) == sorted(["mean", "mean_stderr", "n", "samples", "pass@1", "pass@2",
+                                                    "fingerprint"])
     samples = [json.loads(l) for l in (out / "eval_samples.jsonl").read_text().splitlines()]
-    assert sorted({s["task"] for s in samples}) == ["gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa"]
-    assert len(samples) == 32
+    assert sorted({s["task"] for s in samples}) == ["gsm8k", "gsm8k_fewshot", "gsm8k_samples", "mmlu", "truthfulqa"]
+    assert len(samples) == 40
     mmlu_right = [s["correct"] for s in samples if s["task"] == "mmlu"]
     assert sum(mmlu_right) / 8 == base["mmlu"]["acc"]
     assert abs(base["mmlu"]["acc_stderr"] - np.std(mmlu_right, ddof=1) / np.sqrt(8)) < 1e-12
@@ -212,6 +217,9 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
             assert s["prediction"] == int(np.argmax(s["mc1_loglikelihoods"]))
             assert s["correct"] == (mc1_labels[s["prediction"]] == 1)
             assert s["mc2"] == E.mc2_score(s["mc2_loglikelihoods"], mc2_labels)
+        elif s["task"] == "gsm8k_samples":
+            assert len(s["completions"]) == 2 and s["correct"] == [
+                data.same_number(data.extract_answer(t, "flexible"), s["gold"]) for t in s["completions"]]
         else:
             assert s["flexible"] == data.extract_answer(s["completion"], "flexible")
     train = data.load_gsm8k("train", data_dir)
@@ -219,7 +227,7 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     rng = random.Random(1234)  # --gsm8k-fewshot 1: each question's example drawn in turn, as lm-eval does
     drawn = [rng.sample(train, 1) for _ in range(8)]
     for s in samples:  # 0-shot: the format the methods train on
-        if s["task"].startswith("gsm8k"):
+        if s["task"] in ("gsm8k", "gsm8k_fewshot"):
             shots = drawn[s["index"]] if s["task"] == "gsm8k_fewshot" else []
             assert s["prompt"] == data.gsm8k_prompt(gsm8k_rows[s["index"]]["question"], shots)
             assert s["correct"] == data.same_number(s["flexible"], s["gold"])
@@ -243,14 +251,15 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
     table = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out)],
                            check=True, capture_output=True, text=True).stdout
     assert "| base |" in table and "| stress |" in table and "0.420" in table  # paper's stress GSM8K beside ours
+    assert "| pass@2 | sampled |" in table
     assert (out / "results.md").read_text() in table + "\n"
 
     # one task again: the other tasks' numbers and samples of the same adapter stay; another adapter's go
     samples = E.read_samples(str(run))
     subprocess.run(cmd + ["--tasks", "truthfulqa", str(run)], check=True, capture_output=True, text=True)
     again = json.loads((run / "eval.json").read_text())
-    assert {k: again[k] for k in ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa", "retention")} == {
-        k: result[k] for k in ("gsm8k", "gsm8k_fewshot", "mmlu", "truthfulqa", "retention")}
+    kept = ("gsm8k", "gsm8k_fewshot", "gsm8k_samples", "mmlu", "truthfulqa", "retention")
+    assert {k: again[k] for k in kept} == {k: result[k] for k in kept}
     assert sorted(map(json.dumps, E.read_samples(str(run)))) == sorted(map(json.dumps, samples))
     with torch.no_grad():
         for p in lora.lora_parameters(m):
@@ -336,3 +345,37 @@ def test_truthfulqa_scores_each_choice_of_a_question_once_with_the_scores_of_eac
     assert sum(map(len, scored)) < sum(len(r["mc1_targets"]) + len(r["mc2_targets"]) for r in rows)
     for s, mc1, mc2 in zip(samples, apart["mc1_targets"], apart["mc2_targets"]):
         assert np.allclose(s["mc1_loglikelihoods"], mc1, atol=1e-4) and np.allclose(s["mc2_loglikelihoods"], mc2, atol=1e-4)
+
+
+def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_right_one():
+    for n, c in [(5, 0), (5, 1), (6, 3), (7, 2), (8, 8)]:
+        for k in range(1, n + 1):
+            subsets = list(itertools.combinations([1] * c + [0] * (n - c), k))  # every draw of k without replacement
+            assert abs(E.pass_at_k(n, c, k) - sum(map(any, subsets)) / len(subsets)) < 1e-12
+
+
+def test_samples_are_seeded_temperature_one_draws_scored_by_their_flexible_answer(tiny_model, data_dir, monkeypatch):
+    model, tok = M.load(tiny_model)
+    args = argparse.Namespace(data_dir=data_dir, gsm8k_limit=6, max_new_tokens=12, samples=4, batch_size=8)
+    _, samples = E.eval_gsm8k_samples(model, tok, args)
+    prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("test", data_dir)[:6]]
+    assert [s["prompt"] for s in samples] == prompts
+    order = sorted(range(6), key=lambda i: -len(prompts[i]))  # one batch, longest first, seeded from SAMPLE_SEED
+    drawn = generate(model, tok, [prompts[i] for i in order], n=4, max_new_tokens=12, temperature=1.0,
+                     stop=data.GSM8K_STOP, seed=E.SAMPLE_SEED)
+    for k, i in enumerate(order):
+        assert samples[i]["completions"] == [r.text for r in drawn[4 * k:4 * k + 4]]
+    assert any(len(set(s["completions"])) > 1 for s in samples)  # drawn, not greedy
+    # make some of the drawn answers right: each question's gold is its first sample's number
+    answers = [[data.extract_answer(t, "flexible") for t in s["completions"]] for s in samples]
+    rows = data.load_gsm8k("test", data_dir)[:6]
+    for row, a in zip(rows, answers):
+        row["gold"] = a[0] or "-1"
+    monkeypatch.setattr(E, "gsm8k_rows", lambda args: rows)
+    scores, again = E.eval_gsm8k_samples(model, tok, args)
+    right = [sum(data.same_number(x, row["gold"]) for x in a) for a, row in zip(answers, rows)]
+    assert [sum(s["correct"]) for s in again] == right and sum(right) > 0
+    for k in range(1, 5):
+        assert abs(scores[f"pass@{k}"] - sum(E.pass_at_k(4, c, k) for c in right) / 6) < 1e-12
+    assert abs(scores["mean"] - sum(right) / 24) < 1e-12 and abs(scores["pass@1"] - scores["mean"]) < 1e-12
+    assert scores["pass@4"] >= scores["pass@2"] >= scores["pass@1"]
