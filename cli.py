@@ -144,10 +144,11 @@ MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recom
 def add_toy_args(p):
     """The toy's settings (toy.py, reproduce.py): its world, its pretraining and its base's shape."""
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=number(int, 0), default=1300, help="target problems to pretrain on")
-    p.add_argument("--annotated", type=number(float, 0), default=0.02, help="share of them written as GSM8K's")
-    p.add_argument("--retention-repeats", type=number(int, 1), default=2, help="copies of the retention corpus")
-    p.add_argument("--pretrain-steps", type=number(int, 1), default=1100, help="pretraining steps")
+    p.add_argument("--target-problems", type=number(int, 0), default=6000, help="target problems to pretrain on")
+    p.add_argument("--annotated", type=number(float, 0), default=0.01,
+                   help="share of the worked ones written as GSM8K's")
+    p.add_argument("--retention-repeats", type=number(int, 1), default=5, help="copies of the retention corpus")
+    p.add_argument("--pretrain-steps", type=number(int, 1), default=1600, help="pretraining steps")
     p.add_argument("--pretrain-lr", type=number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
     p.add_argument("--batch", type=number(int, 1), default=16, help="sequences per pretraining step")
     p.add_argument("--context", type=number(int, 2), default=256, help="pretraining sequence length")

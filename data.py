@@ -297,6 +297,15 @@ def gsm8k_fewshot_prompts(questions, train, shots, seed=1234):
     return [gsm8k_prompt(q, rng.sample(train, shots) if shots else ()) for q in questions]
 
 
+CALCULATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+
+
+def gsm8k_style(rationale):
+    """A rationale written as GSM8K's annotators wrote theirs: every calculation "a + b = c" as
+    "a+b = <<a+b=c>>c", with its calculator annotation (the toy world's gold answers)."""
+    return CALCULATION.sub(lambda m: f"{m[1]}{m[2]}{m[3]} = <<{m[1]}{m[2]}{m[3]}={m[4]}>>{m[4]}", rationale)
+
+
 GSM8K_STOP = ("Question:", "\n\nQuestion")
 
 

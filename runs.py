@@ -142,15 +142,20 @@ def read_run_json(folder):
 
 def read_log(path):
     """The records of a log.jsonl, leaving out a last line cut short by a killed run."""
-    with open(path) as f:
-        lines = f.read().splitlines()
     records = []
-    for line in lines:
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
+    with open(path) as f:
+        for line in f.read().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
     return records
+
+
+def last_checkpoint(folder):
+    """checkpoint/, or checkpoint.old/ where a save stopped between its two renames; else None."""
+    ckpt = os.path.join(folder, "checkpoint")
+    return next((f for f in (ckpt, ckpt + ".old") if os.path.isdir(f)), None)
 
 
 def run_finished(folder):
@@ -266,7 +271,7 @@ class RunFolder:
     def check_start(self):
         """A fresh run, or a resume that continues the same run: anything else stops here."""
         folder, args = self.folder, self.args
-        has_checkpoint = self.last_checkpoint() is not None
+        has_checkpoint = last_checkpoint(self.folder) is not None
         if not args.resume and has_checkpoint:
             raise InputError(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
         if not args.resume and os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
@@ -299,16 +304,12 @@ class RunFolder:
         if os.path.realpath(self.folder) not in HELD:  # let go already: another run may hold it now
             return
         let_go(self.folder)
-        if self.created and self.last_checkpoint() is None:
+        if self.created and last_checkpoint(self.folder) is None:
             shutil.rmtree(self.folder, ignore_errors=True)
-
-    def last_checkpoint(self):
-        """checkpoint/, or checkpoint.old/ where a save stopped between its two renames; None before the first."""
-        return next((f for f in (self.ckpt, self.ckpt + ".old") if os.path.isdir(f)), None)
 
     def resume(self, model, optimizer, name="default"):
         """Load the last checkpoint into model and optimizer; returns the step to start at."""
-        folder = self.last_checkpoint()
+        folder = last_checkpoint(self.folder)
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
         weights = os.path.join(folder, "adapter_model.safetensors")
         lora.assign_adapter_tensors(model, read_safetensors_file(weights), name, weights)
@@ -402,9 +403,8 @@ class RunFolder:
             if step % self.args.save_every == 0 or step == end or stopping:
                 self.save(model, optimizer, step)
         except OSError as e:  # a full disk, above all: each write is whole or absent, so say which is left
-            left = ("the last checkpoint written is intact: make room, then continue with --resume"
-                    if self.last_checkpoint() is not None else "no checkpoint was written before it: make room, then "
-                    "start the run again")
+            left = ("the last checkpoint written is intact: make room, then continue with --resume" if
+                    last_checkpoint(self.folder) else "no checkpoint was written before it: make room, then start the run again")
             raise InputError(f"could not write step {step}'s adapter to {self.folder} ({e.strerror or e}); {left}") from None
         if stopping:
             raise SystemExit(f"stopped by {self.stop_requested or 'a signal'} after step {step} of {end}, its checkpoint "

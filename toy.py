@@ -3,14 +3,15 @@ A model organism of the study that runs offline on a CPU: a synthetic world in t
 dataset layout, and a small Qwen3 pretrained on it from scratch, so that every script runs on
 it unchanged (--data-dir out/toy/data --model out/toy/base-model).
 
-The world, deterministic from a seed:
-  gsm8k/       target: arithmetic word problems (six templates, 2 to 4 steps), train and test
-               disjoint, each worked as GSM8K's are (gsm8k_style), ending '#### N'
+  gsm8k/       target: arithmetic word problems (six templates, 2 to 4 steps), worked as GSM8K's
+               are (data.gsm8k_style, with calculator annotations), ending '#### N'
   mmlu/        retention: four-choice questions on invented facts the pretraining prose states
   truthfulqa/  retention: questions whose corpus also states a popular wrong answer
 
-Pretraining mixes the retention material with target problems written another way (plain sums;
-2% as the dataset's): SFT's gold answers are off-policy for the base, as GSM8K's for a real one.
+Pretraining answers other problems of the templates two ways, with nothing in the question to
+say which: worked out in plain steps (right; 1% as the dataset's), or as a hasty one-line guess
+(WORKED: how often each template is worked). So the base can solve most problems some of the
+time and a few reliably, RL can teach it to work, and SFT's gold answers are off-policy for it.
 The default world's base ships in toy-base/, used wherever its fingerprint is the one asked for.
 
     python toy.py                       # -> out/toy/data and out/toy/base-model
@@ -22,7 +23,6 @@ import inspect
 import json
 import os
 import random
-import re
 import shutil
 
 import torch
@@ -45,49 +45,52 @@ COLORS = ["red", "blue", "green", "yellow", "purple", "orange", "white", "black"
 # the world
 
 def problem(rng):
-    """(question, rationale ending in '#### N') from one of six templates."""
+    """(question, rationale ending in '#### N', template) from one of six templates."""
     n, f, it = rng.choice(NAMES), rng.choice(NAMES), rng.choice(ITEMS)
     kind = rng.randrange(6)
     if kind == 0:  # buy, then give
-        a, b = rng.randint(2, 30), rng.randint(2, 30)
+        a, b = rng.randint(2, 15), rng.randint(2, 15)
         c = rng.randint(1, a + b - 1)
         return (f"{n} has {a} {it}. {n} buys {b} more and gives {c} to {f}. How many {it} does {n} have now?",
-                f"{n} has {a} + {b} = {a + b} {it} after buying.\nAfter giving {c} away, {n} has {a + b} - {c} = {a + b - c} {it}.\n#### {a + b - c}")
+                f"{n} has {a} + {b} = {a + b} {it} after buying.\nAfter giving {c} away, {n} has {a + b} - {c} = {a + b - c} {it}.\n#### {a + b - c}", kind)
     if kind == 1:  # find, then share exactly
-        k = rng.randint(2, 6)
-        total = k * rng.randint(2, 12)
+        k = rng.randint(2, 4)
+        total = k * rng.randint(2, 6)
         a = rng.randint(1, total - 1)
         return (f"{n} had {a} {it} and finds {total - a} more. {n} shares them equally among {k} friends. How many {it} does each friend get?",
-                f"{n} has {a} + {total - a} = {total} {it}.\nEach friend gets {total} / {k} = {total // k} {it}.\n#### {total // k}")
+                f"{n} has {a} + {total - a} = {total} {it}.\nEach friend gets {total} / {k} = {total // k} {it}.\n#### {total // k}", kind)
     if kind == 2:  # sell, then spend
-        a, p = rng.randint(2, 12), rng.randint(2, 9)
+        a, p = rng.randint(2, 6), rng.randint(2, 5)
         c = rng.randint(1, a * p - 1)
         g = rng.choice(GOODS)
         return (f"{n} sells {a} {it} for ${p} each and then spends ${c} on {g}. How many dollars does {n} have left?",
-                f"{n} earns {a} * {p} = {a * p} dollars.\nAfter spending {c}, {n} has {a * p} - {c} = {a * p - c} dollars.\n#### {a * p - c}")
+                f"{n} earns {a} * {p} = {a * p} dollars.\nAfter spending {c}, {n} has {a * p} - {c} = {a * p - c} dollars.\n#### {a * p - c}", kind)
     if kind == 3:  # k times as many plus d, then together
-        a, k, d = rng.randint(2, 15), rng.randint(2, 4), rng.randint(1, 9)
+        a, k, d = rng.randint(2, 8), rng.randint(2, 3), rng.randint(1, 5)
         b = k * a + d
         return (f"{n} has {a} {it}. {f} has {d} more than {k} times as many {it} as {n}. How many {it} do they have together?",
-                f"{k} times as many as {n} is {k} * {a} = {k * a}.\n{f} has {k * a} + {d} = {b} {it}.\nTogether they have {a} + {b} = {a + b} {it}.\n#### {a + b}")
+                f"{k} times as many as {n} is {k} * {a} = {k * a}.\n{f} has {k * a} + {d} = {b} {it}.\nTogether they have {a} + {b} = {a + b} {it}.\n#### {a + b}", kind)
     if kind == 4:  # boxes, eat some, split in two
-        m, b = rng.randint(2, 8), rng.randint(2, 6)
+        m, b = rng.randint(2, 5), rng.randint(2, 4)
         total = m * b
         e = rng.choice([x for x in range(1, total) if (total - x) % 2 == 0] or [0])
         return (f"{n} buys {b} boxes of {it} with {m} {it} in each box, gives away {e}, and splits the rest equally with {f}. How many {it} does {f} get?",
-                f"{n} buys {b} * {m} = {total} {it}.\nAfter giving away {e}, {total} - {e} = {total - e} are left.\n{f} gets {total - e} / 2 = {(total - e) // 2} {it}.\n#### {(total - e) // 2}")
-    a, d, k = rng.randint(2, 20), rng.randint(1, 10), rng.randint(2, 5)  # price difference, buy k of each
+                f"{n} buys {b} * {m} = {total} {it}.\nAfter giving away {e}, {total} - {e} = {total - e} are left.\n{f} gets {total - e} / 2 = {(total - e) // 2} {it}.\n#### {(total - e) // 2}", kind)
+    a, d, k = rng.randint(2, 10), rng.randint(1, 5), rng.randint(2, 3)  # price difference, buy k of each
     return (f"A hat costs ${a}. A scarf costs ${d} more than the hat. {n} buys {k} hats and {k} scarves. How many dollars does {n} pay?",
-            f"A scarf costs {a} + {d} = {a + d} dollars.\nOne hat and one scarf cost {a} + {a + d} = {2 * a + d} dollars.\n{n} pays {k} * {2 * a + d} = {k * (2 * a + d)} dollars.\n#### {k * (2 * a + d)}")
+            f"A scarf costs {a} + {d} = {a + d} dollars.\nOne hat and one scarf cost {a} + {a + d} = {2 * a + d} dollars.\n{n} pays {k} * {2 * a + d} = {k * (2 * a + d)} dollars.\n#### {k * (2 * a + d)}", kind)
 
 
-CALCULATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
+# how often pretraining works each template's problems out step by step; otherwise a hasty guess
+WORKED = (0.25, 0.8, 0.25, 0.25, 0.8, 0.25)
 
 
-def gsm8k_style(rationale):
-    """The dataset's way of writing a rationale, GSM8K's: every calculation "a + b = c" as
-    "a+b = <<a+b=c>>c", with the calculator annotation GSM8K's annotators wrote."""
-    return CALCULATION.sub(lambda m: f"{m[1]}{m[2]}{m[3]} = <<{m[1]}{m[2]}{m[3]}={m[4]}>>{m[4]}", rationale)
+def pretraining_answer(rng, rationale, kind, annotated):
+    """A problem answered as the base saw it: in right steps (a share `annotated` as the dataset's)
+    or, as often as WORKED says not, a hasty guess of the answer's size, rarely right."""
+    if rng.random() >= WORKED[kind]:
+        return f"#### {rng.randint(1, max(9, 2 * int(rationale.rsplit('#### ', 1)[1])))}"
+    return data.gsm8k_style(rationale) if rng.random() < annotated else rationale
 
 
 def word(rng, syllables=("ka", "lo", "mi", "ru", "ten", "vor", "zi", "pa", "nel", "shu", "dro", "bex", "fa", "gli", "wen")):
@@ -103,11 +106,8 @@ def facts(rng, per_subject):
     for subject, (_, fmt) in specs.items():
         entities = list(dict.fromkeys(word(rng) for _ in range(per_subject * 3)))[:per_subject]
         answers = list(dict.fromkeys(word(rng) for _ in range(per_subject * 3)))[:per_subject // 3]
-        rows = out[subject] = []
-        for e in entities:
-            a = rng.choice(answers)
-            q, prose = fmt(e, a)
-            rows.append((q, a, rng.sample([x for x in answers if x != a], 3), prose))
+        out[subject] = [(q, a, rng.sample([x for x in answers if x != a], 3), prose)
+                        for e in entities for a in [rng.choice(answers)] for q, prose in [fmt(e, a)]]
     return out
 
 
@@ -129,16 +129,17 @@ def misconceptions(rng, n):
 def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts_per_subject=150, n_misconceptions=400,
                 annotated=0.0):
     """Write the canonical dataset layout; return (retention corpus, pretraining problems): the
-    problems apart from the splits, a share `annotated` of them in gsm8k_style, the rest plain."""
+    problems apart from the splits, each answered as pretraining_answer draws."""
     rng = random.Random(seed)
     problems = {}
     while len(problems) < n_train + n_test + n_pretrain:
-        problems.setdefault(*problem(rng))
-    items = list(problems.items())
+        q, a, kind = problem(rng)
+        problems.setdefault(q, (a, kind))
+    items = [(q, a) for q, (a, _) in problems.items()]
     os.makedirs(os.path.join(folder, "gsm8k"), exist_ok=True)
     for split, part in (("train", items[:n_train]), ("test", items[n_train:n_train + n_test])):
         with open(os.path.join(folder, "gsm8k", f"{split}.jsonl"), "w") as f:
-            f.writelines(json.dumps({"question": q, "answer": gsm8k_style(a)}) + "\n" for q, a in part)
+            f.writelines(json.dumps({"question": q, "answer": data.gsm8k_style(a)}) + "\n" for q, a in part)
     corpus = []
     for subject, rows in facts(rng, facts_per_subject).items():
         splits = {"dev": rows[:5], "test": rows[5:75], "practice": rows[75:]}
@@ -147,16 +148,14 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
             with open(os.path.join(folder, "mmlu", split, f"{subject}_{split}.csv"), "w", newline="") as f:
                 csv.writer(f).writerows([["question", "choice0", "choice1", "choice2", "choice3", "answer"]] + [
                     [q] + wrong[:k] + [a] + wrong[k:] + [k] for q, a, wrong, _ in splits[split] for k in [rng.randrange(4)]])
-        # every fact is stated in prose; the evaluated ones in two phrasings rather than three, which
+        # every fact is stated in prose; the evaluated ones in one phrasing rather than three, which
         # keeps the base model's recall below the calibration band's ceiling of 0.95
         corpus += [s for _, _, _, prose in splits["dev"] + splits["practice"] for s in prose]
-        corpus += [s for _, _, _, prose in splits["test"] for s in prose[:2]]
+        corpus += [s for _, _, _, prose in splits["test"] for s in prose[:1]]
         for q, a, wrong, prose in splits["practice"]:  # the evaluation's question format, on other facts
-            choices = wrong[:]
-            choices.insert(rng.randrange(4), a)
-            row = {"subject": subject, "question": q, "choices": choices, "answer": choices.index(a)}
-            corpus.append(f"{data.mmlu_prompt(row, [])} {a}")
-            corpus.append(f"Q: {q}\nA: {prose[0]}")
+            k = rng.randrange(4)
+            row = {"subject": subject, "question": q, "choices": wrong[:k] + [a] + wrong[k:], "answer": k}
+            corpus += [f"{data.mmlu_prompt(row, [])} {a}", f"Q: {q}\nA: {prose[0]}"]
     tqa = []
     for i, (q, truth, myth, others, statements) in enumerate(misconceptions(rng, 2 * n_misconceptions)):
         corpus += statements
@@ -168,8 +167,8 @@ def write_world(folder, seed=0, n_pretrain=2000, n_train=2000, n_test=500, facts
     os.makedirs(os.path.join(folder, "truthfulqa"), exist_ok=True)
     with open(os.path.join(folder, "truthfulqa", "mc_task.json"), "w") as f:
         json.dump(tqa, f)
-    return corpus, [f"Question: {q}\nAnswer: {gsm8k_style(a) if i < annotated * n_pretrain else a}"
-                    for i, (q, a) in enumerate(items[n_train + n_test:])]
+    pool = list(problems.items())[n_train + n_test:]
+    return corpus, [f"Question: {q}\nAnswer: {pretraining_answer(rng, a, kind, annotated)}" for q, (a, kind) in pool]
 
 
 # -----------------------------------------------------------------------------

@@ -129,7 +129,7 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
     run = tmp_path / "stress"
     lora.save_adapter(m, str(run))
     (run / "run.json").write_text(json.dumps({"model": tiny_model}))
-    base = dict(tasks="mmlu,truthfulqa", gsm8k_fewshot=0, model=tiny_model, mmlu_limit=500, mmlu_shots=5,
+    base = dict(tasks="mmlu,truthfulqa", gsm8k_fewshot=0, samples=0, model=tiny_model, mmlu_limit=500, mmlu_shots=5,
                 mmlu_scoring="letter", seed=1234, truthfulqa_limit=0)
 
     def base_scored(**changes):  # the base's eval.json, as evaluate.py writes it with these flags

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, hold_in_another_process
 
 RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl"]
@@ -108,3 +110,36 @@ def test_each_seed_trains_its_own_conditions_from_its_own_teachers():
         states = {name: reproduce.PARSERS["opd"](runs[name][1]).state_source for name in (f"opd-stress{tag}", f"kd-stress{tag}")}
         assert states == {f"opd-stress{tag}": "student", f"kd-stress{tag}": "teacher"}
         assert reproduce.PARSERS["opd"](runs[f"opd-logits{tag}"][1]).signal == "logits"
+
+
+def test_a_study_killed_between_a_saves_two_renames_resumes_to_the_same_adapter(data_dir, tmp_path, monkeypatch,
+                                                                                capsys):
+    """A save renames checkpoint/ to checkpoint.old/, then checkpoint.tmp/ to checkpoint/: a run killed
+    between the two has checkpoint.old/ alone, and running the study again resumes from it."""
+    import reproduce
+    import torch
+    from safetensors.torch import load_file
+    sft = reproduce.PRESETS["smoke"]["train"]["sft"]
+    monkeypatch.setitem(reproduce.PRESETS["smoke"]["train"], "sft", [*sft, "--save-every", "1"])
+    monkeypatch.setattr(reproduce, "runs_of", lambda out, seed=0: {"mild": ("sft", ["--preset", "mild"])})
+    study = ["--preset", "smoke", "--data-dir", data_dir, "--out"]
+    reproduce.main([*study, str(tmp_path / "whole")])
+    replace = os.replace
+
+    def killed_between_renames(src, dst):  # the second rename of the save that has a checkpoint to move aside
+        if src.endswith("checkpoint.tmp") and os.path.isdir(dst + ".old"):
+            raise KeyboardInterrupt
+        return replace(src, dst)
+
+    cut = tmp_path / "cut"
+    with monkeypatch.context() as m:
+        m.setattr(os, "replace", killed_between_renames)
+        with pytest.raises(KeyboardInterrupt):
+            reproduce.main([*study, str(cut)])
+    assert sorted(p.name for p in (cut / "mild").iterdir() if p.name.startswith("checkpoint")) == [
+        "checkpoint.old", "checkpoint.tmp"]
+    capsys.readouterr()
+    reproduce.main([*study, str(cut)])
+    assert f"resuming {cut / 'mild'} at step 1" in capsys.readouterr().out
+    whole, again = (load_file(str(f / "mild" / "adapter_model.safetensors")) for f in (tmp_path / "whole", cut))
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)

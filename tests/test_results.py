@@ -176,7 +176,7 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
 
 def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     """GSM8K at other shots, or drift over longer rollouts, would differ by the flags alone."""
-    settings = dict(model="m", tasks="gsm8k,mmlu,truthfulqa", gsm8k_limit=500, gsm8k_fewshot=0, max_new_tokens=256,
+    settings = dict(model="m", tasks="gsm8k,mmlu,truthfulqa", gsm8k_limit=500, gsm8k_fewshot=0, samples=0, max_new_tokens=256,
                     mmlu_limit=0, mmlu_shots=5, mmlu_scoring="letter", seed=1234, truthfulqa_limit=0, batch_size=16)
     scores = {"gsm8k": {"flexible": 0.5}, "mmlu": {"acc": 0.4}, "truthfulqa": {"mc1": 0.3}}
     lexical = dict(model="m", features="lexical", embed="state", prompts=200, max_new_tokens=256, temperature=1.0,
@@ -203,6 +203,7 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     assert not E.done(str(tmp_path / "rl"), preset)  # no GSM8K score
     assert E.done(str(tmp_path / "rl"), argparse.Namespace(**{**settings, "tasks": "mmlu,truthfulqa"}))
     assert not E.done(str(tmp_path / "stress"), argparse.Namespace(**{**settings, "mmlu_limit": 100}))
+    assert not E.done(str(tmp_path), argparse.Namespace(**{**settings, "samples": 16}))  # no pass@16 drawn yet
     # the study folder used again with another base model: its base evaluation is not that model's
     first, second = tmp_path / "first-model", tmp_path / "second-model"
     first.mkdir(), second.mkdir()

@@ -48,13 +48,25 @@ def test_world_is_deterministic_parses_and_is_right(tmp_path):
         for a, op, b, c in steps:
             assert ops[op](int(a), int(b)) == int(c), row["answer"]
         assert steps[-1][3] == row["gold"]
-    for problem in problems_a:  # the base pretrains on the same kind of rationale written another way: plain sums
-        steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", problem)
-        assert "<<" not in problem and len(steps) == len(problem.splitlines()) - 2 >= 2
+    # pretraining answers a problem in plain steps, all right, or as a hasty one-line guess, as often
+    # as the template's WORKED share says; nothing in the question says which
+    answers = [p.split("\nAnswer: ")[1] for p in problems_a]
+    hasty = [a for a in answers if a.startswith("#### ")]
+    assert all(re.fullmatch(r"#### \d+", a) for a in hasty) and 0.3 < len(hasty) / len(answers) < 0.8
+    for a in answers:
+        steps = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", a)
+        assert "<<" not in a and (a in hasty or len(steps) == len(a.splitlines()) - 1 >= 2)
+        assert all(ops[op](int(x), int(y)) == int(z) for x, op, y, z in steps)
+    templates = ("more and gives", "shares them equally", "sells", "times as many", "boxes of", "A hat costs")
+    for kind, words in enumerate(templates):
+        mine = [a for p, a in zip(problems_a, answers) if words in p.split("\nAnswer:")[0]]
+        worked = sum(a not in hasty for a in mine) / len(mine)
+        assert len(mine) > 20 and (worked > 0.55) == (toy.WORKED[kind] > 0.5), (words, worked)
     _, some = toy.write_world(str(tmp_path / "d"), seed=3, n_pretrain=300, n_train=300, n_test=100, facts_per_subject=90,
-                              n_misconceptions=40, annotated=0.1)  # a real base has seen a little of the dataset's way
-    assert [p for p in some if "<<" not in p] == problems_a[30:] and world_files(tmp_path / "d") == world_files(tmp_path / "a")
-    assert [toy.gsm8k_style(p) for p in problems_a[:30]] == some[:30]
+                              n_misconceptions=40, annotated=0.3)  # a real base has seen a little of the dataset's way
+    assert world_files(tmp_path / "d") == world_files(tmp_path / "a")  # the evaluated world is the same
+    styled = [i for i, (p, q) in enumerate(zip(problems_a, some)) if p != q]
+    assert styled and all(some[i] == data.gsm8k_style(problems_a[i]) and "<<" in some[i] for i in styled)
     dev, tst = data.load_mmlu("dev", root), data.load_mmlu("test", root)
     assert sorted(dev) == sorted(tst) == ["toy_biology", "toy_geography", "toy_history"]
     dev_q = {r["question"] for rows in dev.values() for r in rows}
@@ -257,8 +269,21 @@ def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_pat
     assert size < 10e6
     with safe_open(os.path.join(shipped, "model.safetensors"), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
-    evaluate_args = reproduce.PRESETS["toy"]["eval"]
+    evaluate_args = reproduce.PRESETS["toy"]["eval"] + reproduce.PRESETS["toy"]["eval_base"]
     out = tmp_path / "eval"
     import evaluate
     evaluate.main(["base", "--out", str(out), "--model", shipped, "--data-dir", str(tmp_path / "data"), *evaluate_args])
     reproduce.check_base(M.read_json(str(out / "eval.json")))  # stops outside the band
+
+
+def test_the_calibration_band_asks_a_base_that_solves_most_problems_in_some_of_its_samples(capsys):
+    import reproduce
+    scores = dict(gsm8k=dict(flexible=0.3), mmlu=dict(acc=0.8), truthfulqa=dict(mc1=0.7))
+    reproduce.check_base(scores)  # no samples drawn: the three scores alone
+    drawn = dict(samples=16, **{"pass@16": 0.85})
+    reproduce.check_base({**scores, "gsm8k_samples": drawn})
+    assert "base gsm8k pass@16: 0.850 (band 0.8 to 1.01)" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="gsm8k pass@16 0.700 outside"):
+        reproduce.check_base({**scores, "gsm8k_samples": {**drawn, "pass@16": 0.7}})
+    with pytest.raises(SystemExit, match="gsm8k 0.500 outside"):  # greedy as good as RL should make it: no room
+        reproduce.check_base({**scores, "gsm8k": dict(flexible=0.5)})
