@@ -209,8 +209,8 @@ def rollout_states(rollouts, stride):
         cuts = list(range(stride, len(r.completion_ids) + 1, stride))
         if not cuts or cuts[-1] != len(r.completion_ids):
             cuts.append(len(r.completion_ids))
-        states += [r.prompt_ids + r.completion_ids[:t] for t in cuts]
-        prompt_lengths += [len(r.prompt_ids)] * len(cuts)
+        states += [r.sequence[:r.start + t] for t in cuts]
+        prompt_lengths += [r.start] * len(cuts)
         prompts += [r.prompt_index] * len(cuts)
     return states, prompt_lengths, prompts
 

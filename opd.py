@@ -99,8 +99,8 @@ def draw_states(source, model, teacher, tok, batch, args, seed):
     with lora.use_adapter(sampler, adapter):
         rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch], seed=seed,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=data.GSM8K_STOP)
-    return [r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts], [
-        r.text for r in rollouts], [r.logprobs if source == "student" else None for r in rollouts]
+    return [r.sequence for r in rollouts], [r.start for r in rollouts], [r.text for r in rollouts], [
+        r.logprobs if source == "student" else None for r in rollouts]
 
 
 def teacher_continuations(teacher, tok, sequences, starts, args, key):

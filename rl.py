@@ -93,7 +93,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
         rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], n=args.group_size,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=data.GSM8K_STOP,
                             seed=run.step_seed(step) + first * args.group_size)
-        sequences, starts = [r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts]
+        sequences, starts = [r.sequence for r in rollouts], [r.start for r in rollouts]
         # the signal: each sample's reward against the others of its prompt, on every one of its tokens
         rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
         advantages = [torch.full((len(r.completion_ids),), a) for r, a in

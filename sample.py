@@ -36,6 +36,14 @@ class Rollout:
     prompt_index: int = 0
     sample_index: int = 0
 
+    @property
+    def sequence(self):  # the whole trajectory, prompt then completion: the states lie along it
+        return self.prompt_ids + self.completion_ids
+
+    @property
+    def start(self):  # where the completion begins in sequence
+        return len(self.prompt_ids)
+
 
 def left_pad(seqs, pad_id, device=None):
     """Token lists -> (ids, mask), both (B, T), padded on the left so that every row's next

@@ -122,6 +122,10 @@ def test_a_study_killed_between_a_saves_two_renames_resumes_to_the_same_adapter(
     sft = reproduce.PRESETS["smoke"]["train"]["sft"]
     monkeypatch.setitem(reproduce.PRESETS["smoke"]["train"], "sft", [*sft, "--save-every", "1"])
     monkeypatch.setattr(reproduce, "runs_of", lambda out, seed=0: {"mild": ("sft", ["--preset", "mild"])})
+    monkeypatch.setitem(reproduce.PRESETS["smoke"], "eval", ["--tasks", "gsm8k", "--gsm8k-limit", "2", "--gsm8k-fewshot",
+                                                            "0", "--max-new-tokens", "4"])  # what is tested is training
+    monkeypatch.setitem(reproduce.PRESETS["smoke"], "drift", ["--prompts", "2", "--max-new-tokens", "8", "--stride", "4",
+                                                             "--permutations", "5"])
     study = ["--preset", "smoke", "--data-dir", data_dir, "--out"]
     reproduce.main([*study, str(tmp_path / "whole")])
     replace = os.replace
