@@ -108,7 +108,7 @@ PRESETS = {
     "toy": dict(
         model="toy",
         toy=[],
-        # each method's settings chosen by its own training signal on the train split (docs/toy-study.md)
+        # settings chosen by each method's training signal (docs/toy-study.md)
         train={"sft": ["--train-limit", "1000"],
                "mild": ["--lr", "1e-3", "--epochs", "3"],
                "stress": ["--lr", "5e-3"],
@@ -214,7 +214,7 @@ def study(args, preset, out):
     device = [f for k in ("device", "dtype") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
     stages = Stages(out)
     # the preset's evaluation and drift flags: a result measured otherwise (by hand) is measured again
-    base_eval = [*preset["eval"], *preset.get("eval_base", [])]  # what the base alone is measured on too
+    base_eval = [*preset["eval"], *preset.get("eval_base", [])]  # the base's: also its band's
     eval_flags = parsed(evaluate.add_eval_args, model, preset["eval"])
     drift_flags = parsed(drift.add_drift_args, model, preset["drift"])
 
@@ -226,8 +226,8 @@ def study(args, preset, out):
         runs_of(out, seed) if args.study == "main" else pressure_runs(out, seed, args.preset)).items()}
     for name, (script, extra) in conditions.items():
         folder = os.path.join(out, name)
-        resume = ["--resume"] if runs.last_checkpoint(folder) else []  # a run stopped midway continues
-        # the preset's flags for the script, then for the condition (mild, stress), then the run's own: the last win
+        resume = ["--resume"] if runs.last_checkpoint(folder) else []  # a stopped run continues
+        # the preset's flags for the script, then the condition's, then the run's own: the last win
         argv = [*preset["train"].get(script, []), *preset["train"].get(results.condition(name), []), *extra,
                 "--out", folder, *common, *device, *resume]
         finished = runs.run_finished(folder)
