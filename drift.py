@@ -250,11 +250,9 @@ def offpolicy_gap(model, tok, rows, max_new_tokens, seed=0):
     and of its own temperature-1 samples on the same prompts (an on-policy method's first
     states), (gold, own): their difference is how far off-policy SFT's data is for the base,
     and `own` the reference that a run's state_nll_base is read against."""
-    passes = argparse.Namespace(grad_accum=1, micro_batch_tokens=4096)  # train.base_logprobs' micro-batches
-
     def nll(pairs):  # the base's mean per-token NLL of each (prompt ids, continuation ids)'s continuation
         total, n = train.base_nll(train.base_logprobs(model, [p + c for p, c in pairs], [len(p) for p, _ in pairs],
-                                                      passes, tok.pad_id))
+                                                      tok.pad_id, max_tokens=4096))
         return total / max(1, n)
     gold = [data.gsm8k_gold_ids(tok, r) for r in rows]
     with lora.use_adapter(model, None):

@@ -34,6 +34,7 @@ switches. --model and --data-dir default to the teacher run's own.
 """
 import argparse
 import os
+from dataclasses import replace
 
 import cli
 import data
@@ -42,7 +43,7 @@ import model as M
 import rl
 import runs
 import train
-from sample import generate, tokens_before_stop
+from sample import Rollout, generate, tokens_before_stop
 
 
 def parse_args(argv):
@@ -88,19 +89,17 @@ def load_teacher(model, tok, args):
 
 
 def draw_states(source, model, teacher, tok, batch, args, seed):
-    """The step's state trajectories for its prompts: (sequences, starts, answer texts, the
-    student's sampler log-probs or None). student: the student's own rollouts (OPD); teacher:
-    the teacher's (offline distillation); data: the gold solutions (SFT's states)."""
+    """The step's state trajectories, a Rollout a prompt. student: the student's own rollouts
+    (OPD), with its sampler's log-probs; teacher: the teacher's (offline distillation); data:
+    the gold solutions (SFT's states). Trajectories the student did not draw have no log-probs."""
     if source == "data":
-        gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
-        sequences, starts = [p + a[:args.max_new_tokens] for p, a in gold], [len(p) for p, _ in gold]
-        return sequences, starts, [tok.decode(s[st:]) for s, st in zip(sequences, starts)], [None] * len(gold)
+        return [Rollout(p, a[:args.max_new_tokens], None, tok.decode(a[:args.max_new_tokens]), "data", i)
+                for i, (p, a) in enumerate(data.gsm8k_gold_ids(tok, r) for r in batch)]
     sampler, adapter = (model, "default") if source == "student" else teacher
     with lora.use_adapter(sampler, adapter):
         rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch], seed=seed,
                             max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=data.GSM8K_STOP)
-    return [r.sequence for r in rollouts], [r.start for r in rollouts], [r.text for r in rollouts], [
-        r.logprobs if source == "student" else None for r in rollouts]
+    return rollouts if source == "student" else [replace(r, logprobs=None) for r in rollouts]
 
 
 def teacher_continuations(teacher, tok, sequences, starts, args, key):
@@ -125,7 +124,8 @@ def where_states_lie(model, teacher, sequences, starts, sampled, args, pad_id):
     """run.log's means of where the step's states lie: the learner's and the base's NLL of the
     trajectories and, with --log-state-kl, the teacher-student KL (--signal logits: the loss)."""
     out = dict(state_nll=train.learner_nll(model, sequences, starts, sampled, pad_id),
-               state_nll_base=train.base_nll(train.base_logprobs(model, sequences, starts, args, pad_id)))
+               state_nll_base=train.base_nll(train.base_logprobs(model, sequences, starts, pad_id, args.grad_accum,
+                                                                 args.micro_batch_tokens)))
     if args.log_state_kl and args.signal != "logits":
         student_h = train.frozen_states(model, "default", sequences, starts, pad_id)[0]
         teacher_h = train.frozen_states(*teacher, sequences, starts, pad_id)[0]
@@ -155,19 +155,20 @@ def main(argv=None):
         sources = data.state_sources(weights, len(batch), (args.seed, step, first))
         drawn = {s: draw_states(s, model, teacher, tok, batch, args, run.step_seed(step) + first)
                  for s in set(sources)}  # each source every prompt: its own stream, mixed or not
-        sequences, starts, texts, sampled = ([drawn[s][k][i] for i, s in enumerate(sources)] for k in range(4))
-        measures = where_states_lie(model, teacher, sequences, starts, sampled, args, tok.pad_id)
+        states = [drawn[s][i] for i, s in enumerate(sources)]  # each prompt's from its source
+        sequences, starts = [r.sequence for r in states], [r.start for r in states]
+        measures = where_states_lie(model, teacher, sequences, starts, [r.logprobs for r in states], args, tok.pad_id)
 
         # the signal: the teacher's continuations of the states at the cut points, or its next-token distribution
         if args.signal == "continuation":
             sequences, starts = teacher_continuations(teacher, tok, sequences, starts, args, (args.seed, step, first))
         model.train()
-        loss, _, n_tokens = train.backward(lambda seqs, sts, _: signal_loss(model, teacher, seqs, sts, args, tok.pad_id),
-                                           sequences, starts, args)
+        loss, _, n_tokens = train.backward(lambda seqs, sts: signal_loss(model, teacher, seqs, sts, args, tok.pad_id),
+                                           sequences, starts, args.grad_accum, args.micro_batch_tokens)
         run.check_finite(step + 1, loss)
-        lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args)
+        lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup, args.grad_clip)
 
-        rewards = [float(data.is_correct(text, row["gold"])) for text, row in zip(texts, batch)]
+        rewards = [float(data.is_correct(r.text, row["gold"])) for r, row in zip(states, batch)]
         run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
                      **({"state_kl": loss} if args.signal == "logits" else {})), reward=(sum(rewards), len(rewards)),
                 completion_len=(measures["state_nll"][1], len(rewards)), **measures,

@@ -55,12 +55,14 @@ def group_advantages(rewards, group_size):
 
 def policy_loss(logp, old_logp, advantages, clip, ref_logp=None, kl_coef=0.0):
     """Clipped policy-gradient loss plus an optional k3 KL term, per token, (N,) each. Returns
-    (loss, metrics), each summed over the tokens given (train.backward divides by the step's)."""
+    (loss, metrics), each summed over the tokens given (train.backward divides by the step's),
+    and gaps, each token's |log pi - log pi_old|, whose tail measures the sampler's rounding."""
     ratio = (logp - old_logp).exp()
     pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
     # on the first epoch logp and old_logp are one policy computed twice (trainer, sampler):
     # their gap is float rounding, the measure of how on-policy the step is
-    metrics = dict(clip_frac=((ratio - 1).abs() > clip).sum().item(), sampler_gap=(logp - old_logp).abs().sum().item())
+    gaps = (logp - old_logp).detach().abs()
+    metrics = dict(clip_frac=((ratio - 1).abs() > clip).sum().item(), sampler_gap=gaps.sum().item(), gaps=gaps.cpu())
     if ref_logp is not None and kl_coef > 0:
         # k3 estimator of KL(pi || ref), unbiased and always >= 0 (Schulman 2020, "Approximating KL divergence")
         log_r = ref_logp - logp
@@ -82,6 +84,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
     optimizer = train.adapter_and_optimizer(model, args)
     rows = data.load_gsm8k("train", args.data_dir)
     end = min(args.steps, args.max_steps) if args.max_steps else args.steps
+    passes = args.grad_accum, args.micro_batch_tokens  # how a step splits into forward-backward passes
 
     for step in run.steps(model, optimizer, end, "rl"):
         batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
@@ -96,27 +99,24 @@ def main(argv=None, reward_fn=exact_answer_reward):
         sequences, starts = [r.sequence for r in rollouts], [r.start for r in rollouts]
         # the signal: each sample's reward against the others of its prompt, on every one of its tokens
         rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
-        advantages = [torch.full((len(r.completion_ids),), a) for r, a in
+        advantages = [torch.full((len(r.completion_ids),), a, device=device) for r, a in
                       zip(rollouts, group_advantages(rewards, args.group_size).tolist())]
-        sampled = [torch.tensor(r.logprobs) for r in rollouts]  # the sampler's log-probs: the "old" policy
-        base = train.base_logprobs(model, sequences, starts, args, tok.pad_id)  # state_nll_base, --kl-coef's reference
+        sampled = [torch.tensor(r.logprobs, device=device) for r in rollouts]  # the sampler's: the "old" policy
+        base = train.base_logprobs(model, sequences, starts, tok.pad_id, *passes)  # --kl-coef's reference
 
-        gaps = []  # every token's |trainer - sampler| log-prob gap: its tail shows a bf16 mismatch
-
-        def loss_of(seqs, sts, part):
+        def loss_of(seqs, sts, sampled, advantages, base):  # one pass's share of each, joined
             logp, _ = train.sequence_logprobs(model, seqs, sts, tok.pad_id)
-            cat = lambda per_sequence: torch.cat([per_sequence[i] for i in part]).to(device)  # noqa: E731
-            gaps.append((logp.detach() - cat(sampled)).abs().cpu())  # (the last epoch's, as the other metrics)
-            return policy_loss(logp, cat(sampled), cat(advantages), args.clip, cat(base), args.kl_coef)
+            return policy_loss(logp, sampled, advantages, args.clip, base, args.kl_coef)
 
         model.train()
         for _ in range(args.ppo_epochs):  # no PPO ratio+clip needed at 1 epoch: we are on policy
-            gaps.clear()
-            loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, args)
+            loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, *passes, sampled=sampled,
+                                                     advantages=advantages, base=base)
             run.check_finite(step + 1, loss)
-            lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args)
+            lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup, args.grad_clip)
 
-        p95 = torch.tensor(cli.joined(torch.cat(gaps).tolist())).quantile(0.95).item()
+        # every token's |trainer - sampler| log-prob gap (the last epoch's): its tail shows a bf16 mismatch
+        p95 = torch.tensor(cli.joined(metrics.pop("gaps").tolist())).quantile(0.95).item()
         groups = torch.tensor(rewards).view(-1, args.group_size)
         # the states RL trains on are the policy's own: their NLL is that of its samples
         run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens, sampler_gap_p95=p95,

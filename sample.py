@@ -32,7 +32,7 @@ class Rollout:
     completion_ids: list  # includes the end-of-text token when the model produced it
     logprobs: list  # log p(token | state) under the model itself (temperature 1), fp32
     text: str  # the decoded completion, cut before the first stop string
-    finish_reason: str  # "eos", "stop" or "length"
+    finish_reason: str  # "eos", "stop" or "length" (opd.py: "data" for a gold solution)
     prompt_index: int = 0
     sample_index: int = 0
 

@@ -71,6 +71,7 @@ def main(argv=None):
     examples = kept
     total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule; --max-steps stops early
     end = min(total, args.max_steps) if args.max_steps else total
+    passes = args.grad_accum, args.micro_batch_tokens  # how a step splits into forward-backward passes
 
     base_logp = {}  # example -> the base's log-probs of its answer, which no step changes: measured once
     for step in run.steps(model, optimizer, end, "sft"):
@@ -80,13 +81,14 @@ def main(argv=None):
 
         # the signal: the gold next token at every state of the answer
         model.train()
-        loss, _, n_tokens = train.backward(lambda seqs, sts, _: train.token_nll(
-            train.sequence_logprobs(model, seqs, sts, tok.pad_id)[0]), sequences, starts, args)
+        loss, _, n_tokens = train.backward(lambda seqs, sts: train.token_nll(
+            train.sequence_logprobs(model, seqs, sts, tok.pad_id)[0]), sequences, starts, *passes)
         run.check_finite(step + 1, loss)
-        lr, grad_norm = train.optimizer_step(optimizer, step, total, args)
+        lr, grad_norm = train.optimizer_step(optimizer, step, total, args.lr, args.warmup, args.grad_clip)
         # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
         new = [k for k, i in enumerate(picked) if i not in base_logp]
-        logprobs = train.base_logprobs(model, [sequences[k] for k in new], [starts[k] for k in new], args, tok.pad_id)
+        logprobs = train.base_logprobs(model, [sequences[k] for k in new], [starts[k] for k in new], tok.pad_id,
+                                       *passes)
         base_logp.update((picked[k], lp) for k, lp in zip(new, logprobs))
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr,
                      grad_norm=grad_norm, tokens=n_tokens),

@@ -131,12 +131,12 @@ def frozen_states(net, adapter, sequences, starts, pad_id=0):
 
 
 @torch.no_grad()
-def base_logprobs(model, sequences, starts, args, pad_id=0):
+def base_logprobs(model, sequences, starts, pad_id=0, grad_accum=1, max_tokens=0):
     """Each sequence's log-probs of its trained tokens under the frozen base model (the adapter
-    off), (len(seq) - start,) each, micro-batch by micro-batch as backward runs them."""
+    off), (len(seq) - start,) each, in the micro-batches backward runs (micro_batches)."""
     out = [None] * len(sequences)
     with lora.use_adapter(model, None):
-        for part in micro_batches(list(map(len, sequences)), args.grad_accum, args.micro_batch_tokens):
+        for part in micro_batches(list(map(len, sequences)), grad_accum, max_tokens):
             logp, _ = sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part], pad_id)
             for i, values in zip(part, logp.split([len(sequences[i]) - starts[i] for i in part])):
                 out[i] = values
@@ -220,23 +220,29 @@ def micro_batches(lengths, grad_accum=1, max_tokens=0):
     return passes
 
 
-def backward(loss_of, sequences, starts, args):
-    """One step's backward pass over the trained tokens of sequences (seq[start:] of each).
-    loss_of(sequences, starts, part), for a micro-batch's sequences, starts and indices,
-    returns (loss, metrics): the loss and each metric summed over its trained tokens. Each part's loss is divided by
-    the step's tokens over every process, so the gradients add up to the token mean of the
-    whole step whatever the split (--grad-accum, --micro-batch-tokens) and the number of
-    processes. Returns (the loss's token mean, each metric's token mean, the step's tokens)."""
+def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_sequence):
+    """One step's backward pass over the trained tokens of sequences (seq[start:] of each), in
+    micro_batches. per_sequence: lists of one tensor a sequence, a value a trained token (the
+    sampler's log-probs, the advantages); each pass gets its share, joined, under the same name.
+    loss_of(sequences, starts, **shares) returns (loss, metrics) summed over the pass's tokens
+    (a metric that is a tensor, a value a token, is joined instead). Each pass's loss is divided
+    by the step's tokens over every process, so the gradients add up to the token mean of the
+    whole step whatever the split and the number of processes. Returns (the loss's token mean,
+    each metric's token mean or joined tensor, the step's tokens)."""
     n_tokens = cli.summed(sum(len(s) - start for s, start in zip(sequences, starts)))[0]
-    loss_sum, sums = 0.0, {}
-    for part in micro_batches(list(map(len, sequences)), args.grad_accum, args.micro_batch_tokens):
-        loss, metrics = loss_of([sequences[i] for i in part], [starts[i] for i in part], part)
+    loss_sum, sums, joined = 0.0, {}, {}
+    for part in micro_batches(list(map(len, sequences)), grad_accum, max_tokens):
+        shares = {k: torch.cat([v[i] for i in part]) for k, v in per_sequence.items()}
+        loss, metrics = loss_of([sequences[i] for i in part], [starts[i] for i in part], **shares)
         (loss / n_tokens).backward()
         loss_sum += loss.item()
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            if torch.is_tensor(v):
+                joined[k] = torch.cat([joined[k], v]) if k in joined else v
+            else:
+                sums[k] = sums.get(k, 0.0) + float(v)
     loss_sum, *values = cli.summed(loss_sum, *sums.values())  # every process's share
-    return loss_sum / n_tokens, {k: v / n_tokens for k, v in zip(sums, values)}, n_tokens
+    return loss_sum / n_tokens, {**{k: v / n_tokens for k, v in zip(sums, values)}, **joined}, n_tokens
 
 
 def lr_at(step, total_steps, peak_lr, warmup_frac):
@@ -248,9 +254,10 @@ def lr_at(step, total_steps, peak_lr, warmup_frac):
     return peak_lr * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
-def optimizer_step(optimizer, step, total_steps, args):
-    """Scheduled learning rate, gradient clipping, one AdamW step; returns (lr, grad_norm)."""
-    lr = lr_at(step, total_steps, args.lr, args.warmup)
+def optimizer_step(optimizer, step, total_steps, peak_lr, warmup=0.0, grad_clip=0.0):
+    """Scheduled learning rate (lr_at), the global gradient norm clipped to grad_clip (0: not
+    clipped), one optimizer step; returns (lr, the norm before clipping)."""
+    lr = lr_at(step, total_steps, peak_lr, warmup)
     for group in optimizer.param_groups:
         group["lr"] = lr
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -258,7 +265,7 @@ def optimizer_step(optimizer, step, total_steps, args):
         for p in params:
             p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(p.grad)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip if args.grad_clip > 0 else float("inf")).item()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return lr, grad_norm

@@ -1,6 +1,5 @@
 """The training pass (train.py): log-probs of shared prefixes equal each sequence's own, micro-
 batches weighed by their tokens, the cross-process sum, the schedule and the optimizer step."""
-import argparse
 import json
 
 import pytest
@@ -229,8 +228,7 @@ def test_optimizer_step_clips_the_gradient_norm_before_the_step(grad_clip, expec
     p = torch.nn.Parameter(torch.zeros(2))
     optimizer = torch.optim.SGD([p], lr=1.0)
     p.grad = torch.tensor([3.0, 4.0])
-    args = argparse.Namespace(lr=1.0, warmup=0.0, grad_clip=grad_clip)
-    lr, grad_norm = train.optimizer_step(optimizer, 0, 10, args)
+    lr, grad_norm = train.optimizer_step(optimizer, 0, 10, 1.0, warmup=0.0, grad_clip=grad_clip)
     assert lr == 1.0 and grad_norm == pytest.approx(5.0)  # the norm before clipping, as logged
     assert torch.allclose(p.detach(), torch.tensor(expected)) and p.grad is None
 
@@ -243,20 +241,25 @@ def test_backward_weighs_each_micro_batch_by_its_share_of_the_steps_tokens(monke
     sequences, starts = [[0] * 5, [0] * 3, [0] * 9, [0] * 2], [1, 1, 1, 1]  # 4, 2, 8 and 1 trained tokens
     slope = [1.0, 2.0, 3.0, 4.0]  # each sequence's loss per token, per unit of w
 
-    def loss_of(seqs, sts, part):  # summed over the part's trained tokens, as the scripts' losses are
-        n = [len(s) - st for s, st in zip(seqs, sts)]
-        assert seqs == [sequences[i] for i in part]
-        return sum(k * slope[i] * w.sum() for k, i in zip(n, part)), {"seen": sum(n)}
+    # per token, each sequence's slope and its place in the step: backward hands each pass its share
+    slopes = [torch.full((len(s) - st,), slope[i]) for i, (s, st) in enumerate(zip(sequences, starts))]
+    places = [torch.full((len(s) - st,), float(i)) for i, (s, st) in enumerate(zip(sequences, starts))]
+
+    def loss_of(seqs, sts, slopes, places):  # summed over the pass's trained tokens, as the scripts' losses are
+        part = places.unique_consecutive().long().tolist()
+        assert seqs == [sequences[i] for i in part] and len(slopes) == sum(len(s) - st for s, st in zip(seqs, sts))
+        return slopes.sum() * w.sum(), {"seen": len(slopes), "places": places}
 
     mean = (4 * 1.0 + 2 * 2.0 + 8 * 3.0 + 1 * 4.0) / 15
     for grad_accum, bound in ((1, 0), (3, 0), (1, 9), (4, 4)):
         w.grad = None
-        loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, argparse.Namespace(
-            grad_accum=grad_accum, micro_batch_tokens=bound))
-        assert n_tokens == 15 and metrics == {"seen": 1.0}
+        loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, grad_accum, bound, slopes=slopes,
+                                                 places=places)
+        assert n_tokens == 15 and metrics["seen"] == 1.0
+        assert sorted(metrics["places"].tolist()) == sorted(torch.cat(places).tolist())  # joined, not summed
         assert loss == pytest.approx(2 * mean) and torch.allclose(w.grad, torch.full((2,), mean))
     # a second process with as many tokens of its own: this one's gradient is half the step's
     monkeypatch.setattr(cli, "summed", lambda *values: [2 * v for v in values])
     w.grad = None
-    train.backward(loss_of, sequences, starts, argparse.Namespace(grad_accum=2, micro_batch_tokens=0))
+    train.backward(loss_of, sequences, starts, 2, 0, slopes=slopes, places=places)
     assert torch.allclose(w.grad, torch.full((2,), mean / 2))
