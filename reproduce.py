@@ -110,11 +110,11 @@ PRESETS = {
         toy=[],
         # settings chosen by each method's training signal (docs/toy-study.md)
         train={"sft": ["--train-limit", "1000"],
-               "mild": ["--lr", "1e-3", "--epochs", "3"],
+               "mild": ["--lr", "2e-3", "--epochs", "3"],
                "stress": ["--lr", "5e-3"],
                "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96", "--lr", "3e-4",
                       "--warmup", "0.05"],
-               "opd": ["--steps", "60", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "3e-3"]},
+               "opd": ["--steps", "120", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "3e-3"]},
         eval=TOY_EVAL + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0", "--batch-size", "32"],
         eval_base=["--samples", "16"],  # pass@16 of the base, for its calibration band
         drift=["--prompts", "200", "--max-new-tokens", "96"]),
