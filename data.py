@@ -318,6 +318,19 @@ def gsm8k_gold_ids(tokenizer, row):
     return prompt_ids, tokenizer.encode(prompt + " " + row["answer"])[len(prompt_ids):] + [tokenizer.eos_id]
 
 
+def sft_examples(pairs, max_length):
+    """(prompt + answer ids cut at max_length, where the answer starts) of each (prompt ids,
+    answer ids) pair, leaving out those whose prompt fills max_length: nothing to learn."""
+    examples = [((p + a)[:max_length], len(p)) for p, a in pairs]
+    kept = [e for e in examples if e[1] < len(e[0])]
+    if not kept:
+        raise InputError(f"--max-length {max_length} cuts every example before its answer (the shortest prompt has "
+                         f"{min(p for _, p in examples)} tokens); raise it")
+    if len(kept) < len(examples):
+        print(f"left out {len(examples) - len(kept)} of {len(examples)} examples whose prompt fills --max-length")
+    return kept
+
+
 def mmlu_question(row):
     lines = [row["question"].strip()] + [f"{letter}. {c}" for letter, c in zip("ABCD", row["choices"])]
     return "\n".join(lines) + "\nAnswer:"

@@ -7,10 +7,11 @@ State source:  fixed dataset trajectories, d_data. Every training state is a pre
 Signal source: the gold next token at each of those states (cross-entropy on the answer
                tokens only; the prompt is masked; end-of-text appended so the model learns
                to stop).
+--answers samples: rejection sampling (Yuan et al. 2023, arXiv 2308.01825): the same loss on
+               the base's own samples the exact-answer reward marks right: states it drew itself.
 
-Presets (docs/paper.md): `mild` (1 epoch, lr 1e-4, rank 16, alpha 32; this project's
-choice, the paper gives none) and `stress` (the paper's 5 epochs, lr 5e-4, rank 64,
-alpha 128). Any flag overrides its preset's value.
+Presets (docs/paper.md): `mild` (1 epoch, lr 1e-4, rank 16, alpha 32; ours, the paper gives
+none) and `stress` (the paper's 5 epochs, lr 5e-4, rank 64, alpha 128); flags override them.
 
     python sft.py --preset stress               # -> out/stress
     python sft.py --preset mild --max-steps 20  # a short look
@@ -20,9 +21,11 @@ import math
 
 import cli
 import data
+import lora
 import model as M
 import runs
 import train
+from sample import generate, tokens_before_stop
 
 PRESETS = {
     "mild": dict(epochs=1, lr=1e-4, rank=16, alpha=32),
@@ -40,6 +43,9 @@ def parse_args(argv):
                    help="longest training sequence in tokens (longer ones are cut)")
     p.add_argument("--train-limit", type=cli.number(int, 0), default=0,
                    help="use the first N GSM8K train examples (0 = all 7,473)")
+    p.add_argument("--answers", choices=["gold", "samples"], default="gold", help="(above)")
+    p.add_argument("--samples-per-prompt", type=cli.number(int, 1), default=4, help="--answers samples: drawn")
+    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="--answers samples: longest")
     cli.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
     preset = p.parse_known_args(argv)[0].preset
     p.set_defaults(**PRESETS[preset])  # a flag given on the command line still wins
@@ -55,20 +61,11 @@ def main(argv=None):
     model, tok = M.load(args.model, device, dtype)
     optimizer = train.adapter_and_optimizer(model, args)
 
-    # the state source: (prompt, gold answer + end-of-text) pairs from the dataset
-    rows = data.load_gsm8k("train", args.data_dir)
-    rows = rows[:args.train_limit] if args.train_limit > 0 else rows
-    examples = []
-    for r in rows:
-        prompt_ids, answer_ids = data.gsm8k_gold_ids(tok, r)
-        examples.append(((prompt_ids + answer_ids)[:args.max_length], len(prompt_ids)))
-    kept = [e for e in examples if e[1] < len(e[0])]  # a prompt that fills --max-length leaves nothing to learn
-    if not kept:
-        raise M.InputError(f"--max-length {args.max_length} cuts every example before its answer (the shortest prompt "
-                           f"has {min(p for _, p in examples)} tokens); raise it")
-    if len(kept) < len(examples):
-        print(f"left out {len(examples) - len(kept)} of {len(examples)} examples whose prompt fills --max-length")
-    examples = kept
+    # the state source: (prompt, answer + end-of-text) pairs, the dataset's or the base's own
+    rows = data.load_gsm8k("train", args.data_dir)[:args.train_limit or None]  # 0: all
+    pairs = [data.gsm8k_gold_ids(tok, r) for r in rows] if args.answers == "gold" else right_samples(
+        model, tok, rows, args)
+    examples = data.sft_examples(pairs, args.max_length)  # (ids, where the answer starts) each
     total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule; --max-steps stops early
     end = min(total, args.max_steps) if args.max_steps else total
     passes = args.grad_accum, args.micro_batch_tokens  # how a step splits into forward-backward passes
@@ -94,6 +91,19 @@ def main(argv=None):
                      grad_norm=grad_norm, tokens=n_tokens),
                 state_nll_base=train.base_nll([base_logp[i] for i in picked]))
     print(f"done: adapter in {args.out}")
+
+
+def right_samples(model, tok, rows, args):
+    """(prompt, answer + end-of-text) ids of the base's samples that are right, cut at a stop."""
+    with lora.use_adapter(model.eval(), None):
+        drawn = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in rows], n=args.samples_per_prompt,
+                         max_new_tokens=args.max_new_tokens, temperature=1.0, stop=data.GSM8K_STOP, seed=args.seed)
+    right = [r for r in drawn if data.is_correct(r.text, rows[r.prompt_index]["gold"])]  # RL's reward
+    print(f"--answers samples: {len(right)} of {len(drawn)} samples right")
+    if not right:
+        raise M.InputError("--answers samples: no sample of the base is right; raise --samples-per-prompt")
+    return [(r.prompt_ids, [t for t in tokens_before_stop(tok, r.completion_ids, data.GSM8K_STOP) if t != tok.eos_id]
+             + [tok.eos_id]) for r in right]
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import model as M
 import sft
 import train
 from conftest import common, read_log
+from sample import generate, tokens_before_stop
 
 
 def answer_nll(tiny_model, adapter, examples):
@@ -66,3 +67,34 @@ def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_th
 def test_sft_max_length_that_cuts_every_answer_is_an_input_error(tiny_model, data_dir, tmp_path):
     with pytest.raises(M.InputError, match="--max-length 4 cuts every example before its answer"):
         sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--max-length", 4, "--max-steps", 1))
+
+
+def test_sft_on_the_bases_own_right_samples_trains_on_those_alone(tiny_model, data_dir, tmp_path, monkeypatch):
+    """--answers samples: only the base's samples the reward marks right become training data,
+    cut before a stop string and ended with end-of-text; the loss is SFT's on them, so at step
+    1 (the adapter still zero) it equals their state_nll_base, the base's NLL of its own samples."""
+    model, tok = M.load(tiny_model)
+    rows = data.load_gsm8k("train", data_dir)[:4]
+    drawn = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in rows], n=3, max_new_tokens=12,
+                     temperature=1.0, stop=data.GSM8K_STOP, seed=0)
+    monkeypatch.setattr(data, "is_correct", lambda text, gold: len(text) % 3 == 0)  # a reward that picks some
+    right = [r for r in drawn if len(r.text) % 3 == 0]
+    assert 0 < len(right) < len(drawn)
+    answers = [[t for t in tokens_before_stop(tok, r.completion_ids, data.GSM8K_STOP) if t != tok.eos_id] + [tok.eos_id]
+               for r in right]
+    expected = {(tuple(r.prompt_ids + a), len(r.prompt_ids)) for r, a in zip(right, answers)}
+    trained = []
+    plain_states = train.sequence_states
+
+    def recorded_states(model, sequences, starts, *rest):
+        trained.extend(zip(map(tuple, sequences), starts))
+        return plain_states(model, sequences, starts, *rest)
+    monkeypatch.setattr(train, "sequence_states", recorded_states)
+    out = tmp_path / "sft"
+    sft.main(common(tiny_model, data_dir, out, "--answers", "samples", "--samples-per-prompt", 3, "--max-new-tokens",
+                    12, "--train-limit", 4, "--batch-size", 64, "--max-steps", 1, "--lora-dropout", 0))
+    assert set(trained) == expected
+    logp, _ = train.sequence_logprobs(model, [list(s) for s, _ in expected], [st for _, st in expected])
+    own_nll = -logp.mean().item()
+    step = read_log(out)[0]
+    assert step["state_nll_base"] == pytest.approx(own_nll, abs=1e-5) and step["loss"] == pytest.approx(own_nll, abs=1e-5)
