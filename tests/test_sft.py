@@ -44,19 +44,24 @@ def test_sft_learns_its_four_examples(tiny_model, data_dir, tmp_path, monkeypatc
     assert len(measured) == len(set(measured)) == 4 and {x["state_nll_base"] for x in log} == {log[0]["state_nll_base"]}
 
 
+def recorded_states(monkeypatch):
+    """A list that gathers every (sequence, start) that a forward pass of train computes states of."""
+    trained, plain_states = [], train.sequence_states
+
+    def recording(model, sequences, starts, *rest):
+        trained.extend(zip(map(tuple, sequences), starts))
+        return plain_states(model, sequences, starts, *rest)
+    monkeypatch.setattr(train, "sequence_states", recording)
+    return trained
+
+
 def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_the_answer(tiny_model, data_dir,
                                                                                         tmp_path, monkeypatch):
     _, tok = M.load(tiny_model)
     gold = [data.gsm8k_gold_ids(tok, r) for r in data.load_gsm8k("train", data_dir)[:8]]
     prompt_lengths = sorted(len(p) for p, _ in gold)
     limit = prompt_lengths[4] + 3  # the longest prompts fill it: their examples have nothing left to learn
-    trained = []
-    plain_states = train.sequence_states
-
-    def recorded_states(model, sequences, starts, *rest):
-        trained.extend(zip(map(tuple, sequences), starts))
-        return plain_states(model, sequences, starts, *rest)
-    monkeypatch.setattr(train, "sequence_states", recorded_states)
+    trained = recorded_states(monkeypatch)
     sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--train-limit", 8, "--batch-size", 8, "--max-length", limit,
                     "--max-steps", 1))
     expected = {(tuple((p + a)[:limit]), len(p)) for p, a in gold if len(p) < limit}
@@ -83,13 +88,7 @@ def test_sft_on_the_bases_own_right_samples_trains_on_those_alone(tiny_model, da
     answers = [[t for t in tokens_before_stop(tok, r.completion_ids, data.GSM8K_STOP) if t != tok.eos_id] + [tok.eos_id]
                for r in right]
     expected = {(tuple(r.prompt_ids + a), len(r.prompt_ids)) for r, a in zip(right, answers)}
-    trained = []
-    plain_states = train.sequence_states
-
-    def recorded_states(model, sequences, starts, *rest):
-        trained.extend(zip(map(tuple, sequences), starts))
-        return plain_states(model, sequences, starts, *rest)
-    monkeypatch.setattr(train, "sequence_states", recorded_states)
+    trained = recorded_states(monkeypatch)
     out = tmp_path / "sft"
     sft.main(common(tiny_model, data_dir, out, "--answers", "samples", "--samples-per-prompt", 3, "--max-new-tokens",
                     12, "--train-limit", 4, "--batch-size", 64, "--max-steps", 1, "--lora-dropout", 0))
