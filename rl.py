@@ -55,8 +55,8 @@ def group_advantages(rewards, group_size):
 
 def policy_loss(logp, old_logp, advantages, clip, ref_logp=None, kl_coef=0.0):
     """Clipped policy-gradient loss plus an optional k3 KL term, per token, (N,) each. Returns
-    (loss, metrics), each summed over the tokens given (train.backward divides by the step's),
-    and gaps, each token's |log pi - log pi_old|, whose tail measures the sampler's rounding."""
+    (loss, metrics), each summed over the tokens given (train.backward divides by the step's)
+    but gaps, each token's |log pi - log pi_old|, whose tail measures the sampler's rounding."""
     ratio = (logp - old_logp).exp()
     pg = -torch.min(ratio * advantages, ratio.clamp(1 - clip, 1 + clip) * advantages)
     # on the first epoch logp and old_logp are one policy computed twice (trainer, sampler):
