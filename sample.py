@@ -66,7 +66,7 @@ def draw(logits, temperature, uniforms):
         token = logits.argmax(-1)
     else:
         cdf = (logits / temperature).softmax(-1).cumsum(-1)
-        # the first token whose running sum reaches u of the total; u > 0, so never one of weight zero
+        # the first token whose running sum reaches u of the total (u > 0: never a zero weight)
         target = (uniforms.clamp(min=2 ** -24) * cdf[:, -1])[:, None]
         token = torch.searchsorted(cdf, target).squeeze(-1).clamp(max=logits.shape[-1] - 1)
     return token, logits.log_softmax(-1).gather(-1, token[:, None]).squeeze(-1)
@@ -94,28 +94,31 @@ def prefill(model, prompt_ids, n, pad_id, max_new_tokens):
     n samples, and a prompt that opens a longer one (OPD's cuts of one trajectory), read the
     longer one's cache, with its columns past their own end masked as padding is."""
     device = model.lm_head.weight.device
-    hosts = [i for i, p in enumerate(prompt_ids) if not any(  # no longer prompt starts with p, no earlier equal one
-        len(q) > len(p) and q[:len(p)] == p or (q == p and j < i) for j, q in enumerate(prompt_ids))]
+    hosts = [i for i, p in enumerate(prompt_ids) if not any(  # no longer prompt opens with p,
+        len(q) > len(p) and q[:len(p)] == p or (q == p and j < i)  # and no earlier equal one
+        for j, q in enumerate(prompt_ids))]
     ids, mask = left_pad([prompt_ids[h] for h in hosts], pad_id, device)
     cache = model.new_cache(len(hosts), ids.shape[1] + max_new_tokens)
     hidden = model(ids, attention_mask=mask, cache=cache, hidden_only=True)
-    # each prompt's row, and the column after its last token: its row's end, less what the row holds beyond it
+    # each prompt's row, and the column after its last token: its row's end, less what the row
+    # holds beyond it
     host = [next(k for k, h in enumerate(hosts) if prompt_ids[h][:len(p)] == p) for p in prompt_ids]
-    end = torch.tensor([ids.shape[1] - len(prompt_ids[hosts[k]]) + len(p) for k, p in zip(host, prompt_ids)],
-                       device=device)
+    end = torch.tensor([ids.shape[1] - len(prompt_ids[hosts[k]]) + len(p)
+                        for k, p in zip(host, prompt_ids)], device=device)
     host = torch.tensor(host, device=device)
-    logits = model.lm_head(hidden[host, end - 1]).float()  # (prompts, vocab): each prompt's next token once
+    logits = model.lm_head(hidden[host, end - 1]).float()  # (prompts, vocab): each prompt's once
     if len(hosts) == len(prompt_ids) and n == 1:  # each prompt its own row, as most calls have it
         return cache, mask, logits
-    rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # the prompt of each sample
+    rows = torch.arange(len(prompt_ids), device=device).repeat_interleave(n)  # each sample's prompt
     cache.select_rows(host[rows])
     mask = mask[host[rows]] * (torch.arange(ids.shape[1], device=device) < end[rows, None])
     return cache, mask, logits[rows]
 
 
 def next_logits(model, ids, mask, cache):
-    """fp32 logits (B, vocab) after the last token of each row, as the training pass computes them."""
-    return model.lm_head(model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]).float()
+    """fp32 logits (B, vocab) after each row's last token, as the training pass computes them."""
+    hidden = model(ids, attention_mask=mask, cache=cache, hidden_only=True)
+    return model.lm_head(hidden[:, -1]).float()
 
 
 class FixedShapeDecoder:
@@ -131,7 +134,8 @@ class FixedShapeDecoder:
         self.positions = mask.sum(-1, keepdim=True) - 1  # advanced before each step
         self.key_mask = torch.zeros(R, 1, 1, cache.max_len, dtype=torch.bool, device=mask.device)
         self.key_mask[:, 0, 0, :P] = mask.bool()
-        cache.write_pos = torch.full((1,), P - 1, dtype=torch.long, device=mask.device)  # advanced before each step
+        # advanced before each step
+        cache.write_pos = torch.full((1,), P - 1, dtype=torch.long, device=mask.device)
 
     def step(self):
         return self.model.decode_step(self.tokens, self.positions, self.key_mask, self.cache)
@@ -143,7 +147,7 @@ class FixedShapeDecoder:
         self.key_mask.index_fill_(-1, self.cache.write_pos, True)
         if not self.use_graph:
             return self.step()
-        if self.graph is None:  # the first step runs eagerly on a side stream, then the same step is captured
+        if self.graph is None:  # the first step runs eagerly on a side stream, then is captured
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):
@@ -158,35 +162,39 @@ class FixedShapeDecoder:
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, stop=(), seed=None, progress=False,
-             decode="auto"):
+def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, stop=(),
+             seed=None, progress=False, decode="auto"):
     """Sample n completions for each prompt (strings or lists of token ids); greedy when
     temperature == 0. With a seed, sample r = i * n + j (prompt i, sample j) draws from a
     generator seeded with seed + r. decode picks the loop: "dropping" (finished rows leave
     the batch), "graph" (a captured CUDA graph), "fixed" (the graph's fixed-shape step run
     eagerly), or "auto": $STATES_DECODE if set, else graph on CUDA and dropping elsewhere.
     All give the same tokens. Returns a list of Rollout, prompt-major."""
-    device = model.lm_head.weight.device
+    cuda = model.lm_head.weight.device.type == "cuda"
     if decode == "auto":
-        decode = os.environ.get("STATES_DECODE") or ("graph" if device.type == "cuda" else "dropping")
-    if decode not in ("dropping", "fixed", "graph") or (decode == "graph" and device.type != "cuda"):
-        raise ValueError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed', or 'graph' on CUDA")
+        decode = os.environ.get("STATES_DECODE") or ("graph" if cuda else "dropping")
+    if decode not in ("dropping", "fixed", "graph") or (decode == "graph" and not cuda):
+        raise ValueError(f"decode={decode!r} (or $STATES_DECODE): use 'auto', 'dropping', 'fixed', "
+                         f"or 'graph' on CUDA")
     prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
     if any(len(p) == 0 for p in prompt_ids):
         raise ValueError("empty prompt: every prompt needs at least one token")
     if not prompt_ids:
         return []
     with lora.folded(model):
-        return decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, tuple(stop), seed, progress,
-                           decode)
+        return decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature,
+                           tuple(stop), seed, progress, decode)
 
 
-def decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, stop, seed, progress, decode):
+def decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, stop, seed, progress,
+                decode):
     device = model.lm_head.weight.device
     R = len(prompt_ids) * n
     cache, mask, logits = prefill(model, prompt_ids, n, tokenizer.pad_id, max_new_tokens)
-    decoder = FixedShapeDecoder(model, cache, mask, decode == "graph") if decode != "dropping" else None
-    generators = [torch.Generator().manual_seed(seed + r) for r in range(R)] if seed is not None else None
+    decoder = (None if decode == "dropping"
+               else FixedShapeDecoder(model, cache, mask, decode == "graph"))
+    generators = None if seed is None else [
+        torch.Generator().manual_seed(seed + r) for r in range(R)]
     tail = 4 * max(map(len, stop), default=0) + 4  # enough tokens to hold any stop string
     completions, logprobs, finish = [[] for _ in range(R)], [[] for _ in range(R)], ["length"] * R
     in_batch = list(range(R))  # which sample each row of the batch is
@@ -198,7 +206,8 @@ def decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, st
         if generators is None:
             uniforms = torch.rand(len(in_batch), device=device)
         else:
-            uniforms = torch.cat([torch.rand(1, generator=generators[r]) for r in in_batch]).to(device)
+            uniforms = torch.cat([torch.rand(1, generator=generators[r]) for r in in_batch])
+            uniforms = uniforms.to(device)
         tokens, token_logprobs = draw(logits, temperature, uniforms)
         keep = []  # the rows still sampling after this token
         for row, (r, t, lp) in enumerate(zip(in_batch, tokens.tolist(), token_logprobs.tolist())):
@@ -227,6 +236,7 @@ def decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, st
     for r in range(R):
         text = tokenizer.decode(completions[r])
         cut = find_stop(text, stop) if stop else -1
-        rollouts.append(Rollout(prompt_ids[r // n], completions[r], logprobs[r], text[:cut] if cut >= 0 else text,
-                                finish[r], prompt_index=r // n, sample_index=r % n))
+        rollouts.append(Rollout(prompt_ids[r // n], completions[r], logprobs[r],
+                                text[:cut] if cut >= 0 else text, finish[r], prompt_index=r // n,
+                                sample_index=r % n))
     return rollouts

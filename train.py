@@ -28,7 +28,8 @@ from torch.utils.checkpoint import checkpoint
 import cli
 import lora
 
-SHARED_MIN = 16  # tokens a sequence must share with a row to be laid out in it beyond the longest's length
+# tokens a sequence must share with a row to be laid out in it beyond the longest's length
+SHARED_MIN = 16
 
 
 # -----------------------------------------------------------------------------
@@ -61,7 +62,8 @@ def shared_rows(sequences):
     rows, parents, tries, placed = [], [], [], [None] * len(sequences)
     for b in sorted(range(len(sequences)), key=lambda i: -len(sequences[i])):
         s, best = sequences[b], None
-        for r, trie in enumerate(tries):  # the row sharing most of s, of those with room for its rest
+        # the row sharing most of s, of those with room for its rest
+        for r, trie in enumerate(tries):
             path = walk(trie, s)
             if (len(rows[r]) + len(s) - len(path) <= cap or len(path) >= SHARED_MIN) and (
                     best is None or len(path) > len(best[1])):
@@ -99,14 +101,16 @@ def sequence_states(model, sequences, starts, pad_id=0):
     if R == len(sequences):  # no common prefix, no two side by side
         hidden = model(ids, hidden_only=True)
     else:
-        positions, visible = torch.zeros(R, T, dtype=torch.long), torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)
+        positions = torch.zeros(R, T, dtype=torch.long)
+        visible = torch.eye(T, dtype=torch.bool).repeat(R, 1, 1)
         for r, row_parents in enumerate(parents):
             for c, p in enumerate(row_parents):
                 if p >= 0:  # what its parent sees, and itself
                     visible[r, c] |= visible[r, p]
                     positions[r, c] = positions[r, p] + 1
         hidden = model.body(ids, positions.to(device), visible[:, None].to(device), None)
-    trained = [(r, columns[t - 1], columns[t], b) for b, ((r, columns), start) in enumerate(zip(placed, starts))
+    trained = [(r, columns[t - 1], columns[t], b)
+               for b, ((r, columns), start) in enumerate(zip(placed, starts))
                for t in range(start, len(columns))]
     row, state, target, which = torch.tensor(trained, dtype=torch.long, device=device).view(-1, 4).T
     return hidden[row, state], ids[row, target], which
@@ -137,7 +141,8 @@ def base_logprobs(model, sequences, starts, pad_id=0, grad_accum=1, max_tokens=0
     out = [None] * len(sequences)
     with lora.use_adapter(model, None):
         for part in micro_batches(list(map(len, sequences)), grad_accum, max_tokens):
-            logp, _ = sequence_logprobs(model, [sequences[i] for i in part], [starts[i] for i in part], pad_id)
+            seqs, sts = [sequences[i] for i in part], [starts[i] for i in part]
+            logp, _ = sequence_logprobs(model, seqs, sts, pad_id)
             for i, values in zip(part, logp.split([len(sequences[i]) - starts[i] for i in part])):
                 out[i] = values
     return out
@@ -155,9 +160,11 @@ def learner_nll(model, sequences, starts, sampled, pad_id=0):
     mode): a trajectory the learner drew itself brings its sampler's log-probs (the same
     policy, sample.py), one it did not (None) is read by a forward: state_nll."""
     rest = [i for i, lp in enumerate(sampled) if lp is None]
-    nll, n = -sum(sum(lp) for lp in sampled if lp is not None), sum(len(lp) for lp in sampled if lp is not None)
+    drawn = [lp for lp in sampled if lp is not None]
+    nll, n = -sum(sum(lp) for lp in drawn), sum(len(lp) for lp in drawn)
     if rest:
-        h, targets, _ = frozen_states(model, "default", [sequences[i] for i in rest], [starts[i] for i in rest], pad_id)
+        seqs, sts = [sequences[i] for i in rest], [starts[i] for i in rest]
+        h, targets, _ = frozen_states(model, "default", seqs, sts, pad_id)
         nll, n = nll - model.token_logprobs(h, targets).sum().item(), n + len(targets)
     return nll, n
 
@@ -168,7 +175,8 @@ def token_nll(logp):
     return -logp.sum(), {}
 
 
-def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", chunk_logits=2 ** 24):
+def token_kl(student, student_h, teacher_h, teacher_head, direction="forward",
+             chunk_logits=2 ** 24):
     """Per-state KL between the next-token distributions of student states (N, hidden), under
     the student's output layer, and teacher states, under teacher_head (the teacher's lm_head
     weight): (N,) in fp32, chunk_logits logits at a time (chunked), as model.token_logprobs.
@@ -177,7 +185,8 @@ def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", c
     zero, not float noise that Adam would scale up into a full-size step."""
     def chunk(hs, ht):
         z = student.lm_head(hs).float()
-        log_s, log_t = z.log_softmax(-1), F.linear(ht, teacher_head.detach()).float().log_softmax(-1)
+        log_s = z.log_softmax(-1)
+        log_t = F.linear(ht, teacher_head.detach()).float().log_softmax(-1)
         p_s, p_t = log_s.exp(), log_t.exp()
         if direction == "forward":  # KL(t || s) = sum p_t (log p_t - log p_s); d/dz = p_s - p_t
             kl, grad = (p_t * (log_t - log_s)).sum(-1), p_s - p_t
@@ -186,7 +195,8 @@ def token_kl(student, student_h, teacher_h, teacher_head, direction="forward", c
             grad = p_s * (log_s - log_t - kl[:, None])
         surrogate = (grad.detach() * z).sum(-1)  # its gradient with respect to z is grad
         return kl.detach() + surrogate - surrogate.detach()
-    return chunked(chunk, max(1, chunk_logits // student.config.vocab_size), student_h, teacher_h.detach())
+    rows = max(1, chunk_logits // student.config.vocab_size)
+    return chunked(chunk, rows, student_h, teacher_h.detach())
 
 
 def chunked(fn, chunk_size, *tensors):
@@ -242,7 +252,8 @@ def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_seque
             else:
                 sums[k] = sums.get(k, 0.0) + float(v)
     loss_sum, *values = cli.summed(loss_sum, *sums.values())  # every process's share
-    return loss_sum / n_tokens, {**{k: v / n_tokens for k, v in zip(sums, values)}, **joined}, n_tokens
+    means = {k: v / n_tokens for k, v in zip(sums, values)}
+    return loss_sum / n_tokens, {**means, **joined}, n_tokens
 
 
 def lr_at(step, total_steps, peak_lr, warmup_frac):
@@ -261,11 +272,13 @@ def optimizer_step(optimizer, step, total_steps, peak_lr, warmup=0.0, grad_clip=
     for group in optimizer.param_groups:
         group["lr"] = lr
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if cli.WORLD > 1:  # each process divided its loss by the whole step's tokens: the sum is the step's gradient
+    # each process divided its loss by the whole step's tokens: the sum is the step's gradient
+    if cli.WORLD > 1:
         for p in params:
             p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(p.grad)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")).item()
+    bound = grad_clip if grad_clip > 0 else float("inf")
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, bound).item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return lr, grad_norm
@@ -277,4 +290,5 @@ def adapter_and_optimizer(model, args):
     torch.manual_seed(args.seed)
     lora.add_lora(model, args.rank, args.alpha, args.lora_dropout)
     model.recompute = args.recompute
-    return torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
+    params = lora.lora_parameters(model)
+    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
