@@ -38,11 +38,13 @@ class LoRALinear(nn.Module):
 
     def add(self, name, rank, alpha, dropout):
         if not name.isidentifier() or hasattr(nn.ParameterDict, name):
-            raise ValueError(f"adapter name {name!r} is not allowed; use a plain identifier such as 'teacher'")
+            raise ValueError(f"adapter name {name!r} is not allowed; use a plain identifier "
+                             f"such as 'teacher'")
         A = torch.empty(rank, self.in_features, device=self.weight.device)
         nn.init.kaiming_uniform_(A, a=math.sqrt(5))  # as nn.Linear and PEFT initialise it
         self.lora_A[name] = nn.Parameter(A)
-        self.lora_B[name] = nn.Parameter(torch.zeros(self.out_features, rank, device=self.weight.device))
+        B = torch.zeros(self.out_features, rank, device=self.weight.device)
+        self.lora_B[name] = nn.Parameter(B)
         self.dropout[name], self.scaling[name] = dropout, alpha / rank
 
     def forward(self, x):
@@ -55,13 +57,15 @@ class LoRALinear(nn.Module):
         A, B = self.lora_A[name].to(x.dtype), self.lora_B[name].to(x.dtype)
         p = self.dropout[name] if self.training else 0.0
         down = F.linear(F.dropout(x, p) if p > 0 else x, A)  # (..., rank)
-        return y + F.linear(down * self.scaling[name], B)  # scaled at rank width: fewer operations than at out
+        # scaled at rank width: fewer operations than at out
+        return y + F.linear(down * self.scaling[name], B)
 
     def delta_weight(self, name):
         return (self.lora_B[name] @ self.lora_A[name]) * self.scaling[name]  # (out, in), in fp32
 
     def extra_repr(self):
-        return f"in={self.in_features}, out={self.out_features}, adapters={list(self.lora_A)}, active={self.active}"
+        return (f"in={self.in_features}, out={self.out_features}, adapters={list(self.lora_A)}, "
+                f"active={self.active}")
 
 
 def lora_layers(model):
@@ -71,9 +75,10 @@ def lora_layers(model):
 def add_lora(model, rank=16, alpha=32, dropout=0.0, targets=TARGETS, name="default", activate=True):
     """Add a fresh adapter `name` to the targeted linear layers of every block (wrapping them
     in LoRALinear the first time); afterwards only that adapter's parameters train."""
-    if "lm_head" in targets:  # model.TokenLogprobs reads its weight, not its output: the trainer would miss it
-        raise InputError(f"LoRA on lm_head is not supported; use an adapter of the blocks' linear layers "
-                         f"({', '.join(TARGETS)})")
+    # model.TokenLogprobs reads lm_head's weight, not its output: the trainer would miss LoRA there
+    if "lm_head" in targets:
+        raise InputError(f"LoRA on lm_head is not supported; use an adapter of the blocks' "
+                         f"linear layers ({', '.join(TARGETS)})")
     for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if child_name in targets and isinstance(child, nn.Linear):
@@ -105,13 +110,15 @@ def set_adapter(model, name):
     """Make `name` the adapter in use everywhere; None means the plain base model."""
     for layer in lora_layers(model).values():
         if layer.merged is not None and layer.merged != name:
-            raise RuntimeError("an adapter is merged into the weights; unmerge before switching adapters")
+            raise RuntimeError("an adapter is merged into the weights; unmerge before switching "
+                               "adapters")
         layer.active = name if name in layer.lora_A else None
     return model
 
 
 def active_adapter(model):
-    return next((layer.active for layer in lora_layers(model).values() if layer.active is not None), None)
+    active = (layer.active for layer in lora_layers(model).values() if layer.active is not None)
+    return next(active, None)
 
 
 class use_adapter:
@@ -166,7 +173,8 @@ class folded:
                     or (layer.training and layer.dropout[name] > 0)):
                 continue
             self.swapped.append((layer, layer.weight))
-            layer.weight = nn.Parameter(layer.weight + layer.delta_weight(name), requires_grad=False)
+            merged = layer.weight + layer.delta_weight(name)
+            layer.weight = nn.Parameter(merged, requires_grad=False)
             layer.merged = name
         return self.model
 
@@ -181,21 +189,25 @@ class folded:
 
 def adapter_state(model, name="default"):
     """The tensors of one adapter under PEFT's key names."""
-    return {f"{PEFT_PREFIX}{path}.lora_{kind}.weight": getattr(layer, f"lora_{kind}")[name].detach().float().contiguous()
+    return {f"{PEFT_PREFIX}{path}.lora_{kind}.weight":
+            getattr(layer, f"lora_{kind}")[name].detach().float().contiguous()
             for path, layer in lora_layers(model).items() if name in layer.lora_A for kind in "AB"}
 
 
 def save_adapter(model, folder, name="default", base_model=None):
-    """adapter_config.json and adapter_model.safetensors in PEFT's format, each written atomically."""
+    """adapter_config.json and adapter_model.safetensors in PEFT's format, each written
+    atomically."""
     from safetensors.torch import save_file
     if name not in getattr(model, "lora_config", {}):
         raise ValueError(f"model has no adapter named {name!r}")
     os.makedirs(folder, exist_ok=True)
     cfg = model.lora_config[name]
-    config = dict(peft_type="LORA", task_type="CAUSAL_LM", base_model_name_or_path=base_model or getattr(
-        model, "name_or_path", None), r=cfg["r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"],
-        target_modules=cfg["target_modules"], bias="none", fan_in_fan_out=False, inference_mode=True,
-        init_lora_weights=True, use_rslora=False, use_dora=False, modules_to_save=None, layers_to_transform=None)
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM",
+                  base_model_name_or_path=base_model or getattr(model, "name_or_path", None),
+                  r=cfg["r"], lora_alpha=cfg["lora_alpha"], lora_dropout=cfg["lora_dropout"],
+                  target_modules=cfg["target_modules"], bias="none", fan_in_fan_out=False,
+                  inference_mode=True, init_lora_weights=True, use_rslora=False, use_dora=False,
+                  modules_to_save=None, layers_to_transform=None)
     state = adapter_state(model, name)
     write_atomic(os.path.join(folder, "adapter_model.safetensors"), lambda p: save_file(state, p))
     write_json(os.path.join(folder, "adapter_config.json"), config)
@@ -206,30 +218,34 @@ def read_adapter(folder):
     config_path = os.path.join(folder, "adapter_config.json")
     weights_path = os.path.join(folder, "adapter_model.safetensors")
     if not (os.path.isfile(config_path) and os.path.isfile(weights_path)):
-        raise InputError(f"{folder}: no adapter_config.json + adapter_model.safetensors; is this a run folder?")
+        raise InputError(f"{folder}: no adapter_config.json + adapter_model.safetensors; is this a "
+                         f"run folder?")
     cfg = read_json(config_path)
     if cfg.get("peft_type", "LORA") != "LORA" or cfg.get("use_dora") or cfg.get("use_rslora"):
-        raise InputError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no rsLoRA)")
+        raise InputError(f"{config_path}: only plain LoRA adapters are supported (no DoRA, no "
+                         f"rsLoRA)")
     state = read_safetensors_file(weights_path)
     # peft writes keys without the adapter name; some tools keep ".default"
-    return cfg, {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
-                 for k, v in state.items()}
+    return cfg, {k.replace(".lora_A.default.", ".lora_A.")
+                  .replace(".lora_B.default.", ".lora_B."): v for k, v in state.items()}
 
 
 def assign_adapter_tensors(model, state, name, source):
     """Copy PEFT-keyed tensors into adapter `name`, checking every key and shape."""
     layers = lora_layers(model)
     for key, tensor in state.items():
-        if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+        ours = key.startswith(PEFT_PREFIX) and key.endswith((".lora_A.weight", ".lora_B.weight"))
+        if not ours:
             raise InputError(f"{source}: unexpected tensor {key}; not a PEFT LoRA adapter")
         path, kind, _ = key[len(PEFT_PREFIX):].rsplit(".", 2)
         if path not in layers or name not in layers[path].lora_A:
-            raise InputError(f"{source}: tensor {key} names a layer the base model does not have; was the adapter "
-                             f"trained on another base model?")
+            raise InputError(f"{source}: tensor {key} names a layer the base model does not have; "
+                             f"was the adapter trained on another base model?")
         param = getattr(layers[path], kind)[name]
         if tensor.shape != param.shape:
-            raise InputError(f"{source}: {key} has shape {tuple(tensor.shape)} but the base model needs "
-                             f"{tuple(param.shape)}; the adapter was trained on another base model")
+            raise InputError(f"{source}: {key} has shape {tuple(tensor.shape)} but the base model "
+                             f"needs {tuple(param.shape)}; the adapter was trained on another base "
+                             f"model")
         with torch.no_grad():
             param.copy_(tensor)
     if len(state) != 2 * sum(name in layer.lora_A for layer in layers.values()):
@@ -243,7 +259,8 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
     targets = cfg["target_modules"]
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
     trainable_before = [p for p in model.parameters() if p.requires_grad]
-    add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), targets, name, activate=False)
+    add_lora(model, cfg["r"], cfg["lora_alpha"], cfg.get("lora_dropout", 0.0), targets, name,
+             activate=False)
     assign_adapter_tensors(model, state, name, os.path.join(folder, "adapter_model.safetensors"))
     for p in lora_parameters(model, name):
         p.requires_grad_(trainable)
@@ -278,7 +295,8 @@ def update_norm(folder):
         if key.endswith(".lora_A.weight"):
             B = state.get(key.replace(".lora_A.", ".lora_B."))
             if B is None:
-                raise InputError(f"{folder}: {key} has no lora_B beside it; the adapter file is incomplete")
+                raise InputError(f"{folder}: {key} has no lora_B beside it; the adapter file is "
+                                 f"incomplete")
             A, B = A.double(), B.double()
             total += torch.trace((B.T @ B) @ (A @ A.T)).item()
     return cfg["lora_alpha"] / cfg["r"] * total ** 0.5
