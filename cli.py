@@ -26,37 +26,46 @@ def number(kind, minimum, above=False, below=None, why=""):
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {'a whole number' if kind is int else 'a number'}") from None
-        if not (value > minimum if above else value >= minimum) or (below is not None and not value < below):
-            bound = f"{'above' if above else 'at least'} {minimum}" + (f" and below {below}" if below is not None else "")
-            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}" + (f": {why}" if why else ""))
+            what = "a whole number" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        low_ok = value > minimum if above else value >= minimum
+        if not low_ok or (below is not None and not value < below):
+            bound = f"{'above' if above else 'at least'} {minimum}"
+            bound += f" and below {below}" if below is not None else ""
+            reason = f": {why}" if why else ""
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {text}{reason}")
         return value
     parse.__name__ = kind.__name__  # argparse names the type in its own messages
     return parse
 
 
-def add_model_args(p, model_help=f"base model: a hub id or a local folder (default: the one the run folders given "
-                                  f"were trained on, else {DEFAULT_MODEL})"):
+def add_model_args(p, model_help=f"base model: a hub id or a local folder (default: the one the "
+                                  f"run folders given were trained on, else {DEFAULT_MODEL})"):
     """The flags every entry point shares: which model, which data, which device."""
     p.add_argument("--model", default=None, help=model_help)
-    p.add_argument("--data-dir", default=None, help="dataset folder (default: the run folders', else $STATES_DATA, "
-                                                     "else fetched once into ~/.cache/states)")
-    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: $STATES_DEVICE, else cuda when present)")
-    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"], help="default: bf16 on cuda, fp32 on cpu")
+    p.add_argument("--data-dir", default=None,
+                   help="dataset folder (default: the run folders', else $STATES_DATA, else "
+                        "fetched once into ~/.cache/states)")
+    p.add_argument("--device", default=None,
+                   help="cuda, cuda:N or cpu (default: $STATES_DEVICE, else cuda when present)")
+    p.add_argument("--dtype", default=None, choices=["fp32", "bf16"],
+                   help="default: bf16 on cuda, fp32 on cpu")
 
 
 def resolve_device(device=None, dtype=None):
     """(torch.device, torch.dtype) from --device (else $STATES_DEVICE, else cuda when present)
     and --dtype (else bf16 on cuda, fp32 elsewhere)."""
     source = "--device" if device else "$STATES_DEVICE" if os.environ.get("STATES_DEVICE") else None
-    device = device or os.environ.get("STATES_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+    present = "cuda" if torch.cuda.is_available() else "cpu"
+    device = device or os.environ.get("STATES_DEVICE") or present
     try:
         device = torch.device(device)
     except RuntimeError:
         raise InputError(f"{source} {device!r} is not a device; use cuda, cuda:N or cpu") from None
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise InputError(f"{source} {device}, but torch finds no CUDA device (no GPU, no driver, or a CPU-only torch); "
-                         f"{'unset $STATES_DEVICE' if source == '$STATES_DEVICE' else 'leave out --device'} to run on the CPU")
+        fix = "unset $STATES_DEVICE" if source == "$STATES_DEVICE" else "leave out --device"
+        raise InputError(f"{source} {device}, but torch finds no CUDA device (no GPU, no driver, "
+                         f"or a CPU-only torch); {fix} to run on the CPU")
     if dtype not in ("fp32", "bf16", None):
         raise InputError(f"--dtype {dtype!r} is not a dtype this code runs in; use fp32 or bf16")
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, None: None}[dtype]
@@ -64,7 +73,8 @@ def resolve_device(device=None, dtype=None):
 
 
 def autocast_bf16(choice):
-    """--bf16 if given, else whether the CPU has bf16 products (without, bf16 is slower than fp32)."""
+    """--bf16 if given, else whether the CPU has bf16 products (without, bf16 is slower than
+    fp32)."""
     try:
         return bool(choice) if choice is not None else bool(torch.cpu._is_avx512_bf16_supported() or
                                                             torch.cpu._is_amx_tile_supported())
@@ -77,8 +87,10 @@ def device_from_args(args):
     torchrun, this process's own GPU."""
     device, dtype = resolve_device(args.device, args.dtype)
     device = join_processes(device)
-    source = "given" if args.device else "from $STATES_DEVICE" if os.environ.get("STATES_DEVICE") else "default"
-    print(f"device {device} ({source}), dtype {dtype} ({'given' if args.dtype else 'default for ' + device.type})")
+    source = ("given" if args.device else "from $STATES_DEVICE" if os.environ.get("STATES_DEVICE")
+              else "default")
+    picked = "given" if args.dtype else "default for " + device.type
+    print(f"device {device} ({source}), dtype {dtype} ({picked})")
     return device, dtype
 
 
@@ -94,46 +106,57 @@ def run_script(main, memory_fix="rerun with smaller settings"):
     except (InputError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     except torch.OutOfMemoryError as e:
-        raise SystemExit(f"error: the GPU ran out of memory ({str(e).strip().splitlines()[0]}); {memory_fix}") from None
+        what = str(e).strip().splitlines()[0]
+        raise SystemExit(f"error: the GPU ran out of memory ({what}); {memory_fix}") from None
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise SystemExit(f"error: could not write {e.filename or 'a file'} ({e.strerror}); make room, then run it "
-                             f"again") from None
+            where = e.filename or "a file"
+            raise SystemExit(f"error: could not write {where} ({e.strerror}); make room, then run "
+                             f"it again") from None
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise SystemExit(f"error: {e.filename or 'a file'}: {e.strerror}; check its permissions, or pass a folder "
-                             f"you can write to") from None
+            raise SystemExit(f"error: {e.filename or 'a file'}: {e.strerror}; check its "
+                             f"permissions, or pass a folder you can write to") from None
         raise
     except RuntimeError as e:  # the CPU's allocator raises a plain RuntimeError
         if "DefaultCPUAllocator: can't allocate memory" not in str(e):
             raise
-        raise SystemExit(f"error: the CPU ran out of memory ({str(e).split('DefaultCPUAllocator: ')[-1].splitlines()[0]}"
-                         f"); {memory_fix}") from None
+        what = str(e).split("DefaultCPUAllocator: ")[-1].splitlines()[0]
+        raise SystemExit(f"error: the CPU ran out of memory ({what}); {memory_fix}") from None
 
 
 def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     """The flags every training script shares; each script passes its own defaults."""
     add_model_args(p)
-    p.add_argument("--lr", type=number(float, 0, above=True), default=lr, help="peak learning rate of the LoRA parameters")
+    p.add_argument("--lr", type=number(float, 0, above=True), default=lr,
+                   help="peak learning rate of the LoRA parameters")
     p.add_argument("--rank", type=number(int, 1), default=rank, help="LoRA rank")
-    p.add_argument("--alpha", type=number(float, 0, above=True), default=alpha, help="LoRA alpha (scale = alpha / rank)")
-    p.add_argument("--lora-dropout", type=number(float, 0, below=1), default=dropout, help="dropout on the LoRA path")
+    p.add_argument("--alpha", type=number(float, 0, above=True), default=alpha,
+                   help="LoRA alpha (scale = alpha / rank)")
+    p.add_argument("--lora-dropout", type=number(float, 0, below=1), default=dropout,
+                   help="dropout on the LoRA path")
     p.add_argument("--weight-decay", type=number(float, 0), default=0.0, help="AdamW weight decay")
     p.add_argument("--warmup", type=number(float, 0, below=1), default=warmup,
                    help="fraction of steps with linear warmup, then cosine decay")
-    p.add_argument("--grad-clip", type=number(float, 0), default=1.0, help="clip the global gradient norm (0 = off)")
-    p.add_argument("--grad-accum", type=number(int, 1), default=1, help="micro-batches per optimizer step (at least)")
+    p.add_argument("--grad-clip", type=number(float, 0), default=1.0,
+                   help="clip the global gradient norm (0 = off)")
+    p.add_argument("--grad-accum", type=number(int, 1), default=1,
+                   help="micro-batches per optimizer step (at least)")
     p.add_argument("--micro-batch-tokens", type=number(int, 0), default=8192,
-                   help="most tokens, padding included, in one forward and backward pass; each step's sequences are "
-                        "split under it (0 = no bound)")
+                   help="most tokens, padding included, in one forward and backward pass; each "
+                        "step's sequences are split under it (0 = no bound)")
     p.add_argument("--recompute", action="store_true",
-                   help="keep only each layer's input for the backward pass and run the layer again there: less "
-                        "activation memory for about a third more time, the same gradients")
-    p.add_argument("--max-steps", type=number(int, 0), default=0, help="stop after this many steps (0 = the full run)")
-    p.add_argument("--save-every", type=number(int, 1), default=50, help="write a checkpoint every N steps")
+                   help="keep only each layer's input for the backward pass and run the layer "
+                        "again there: less activation memory for about a third more time, the "
+                        "same gradients")
+    p.add_argument("--max-steps", type=number(int, 0), default=0,
+                   help="stop after this many steps (0 = the full run)")
+    p.add_argument("--save-every", type=number(int, 1), default=50,
+                   help="write a checkpoint every N steps")
     p.add_argument("--snapshot-every", type=number(int, 0), default=0,
-                   help="also keep the adapter every N steps in <out>/snapshots/step-N, a run folder of its own for "
-                        "evaluate.py and drift.py (0 = none)")
-    p.add_argument("--resume", action="store_true", help="continue from the run folder's last checkpoint")
+                   help="also keep the adapter every N steps in <out>/snapshots/step-N, a run "
+                        "folder of its own for evaluate.py and drift.py (0 = none)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the run folder's last checkpoint")
     p.add_argument("--seed", type=int, default=0, help="seed of data order, sampling and dropout")
 
 
@@ -142,22 +165,30 @@ MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recom
 
 
 def add_toy_args(p):
-    """The toy's settings (toy.py, reproduce.py): its world, its pretraining and its base's shape."""
+    """The toy's settings (toy.py, reproduce.py): its world, its pretraining and its base's
+    shape."""
     p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=number(int, 0), default=6000, help="target problems to pretrain on")
+    p.add_argument("--target-problems", type=number(int, 0), default=6000,
+                   help="target problems to pretrain on")
     p.add_argument("--annotated", type=number(float, 0), default=0.01,
                    help="share of the worked ones written as GSM8K's")
-    p.add_argument("--retention-repeats", type=number(int, 1), default=5, help="copies of the retention corpus")
+    p.add_argument("--retention-repeats", type=number(int, 1), default=5,
+                   help="copies of the retention corpus")
     p.add_argument("--pretrain-steps", type=number(int, 1), default=1600, help="pretraining steps")
-    p.add_argument("--pretrain-lr", type=number(float, 0, above=True), default=2e-3, help="peak pretraining rate")
-    p.add_argument("--batch", type=number(int, 1), default=16, help="sequences per pretraining step")
-    p.add_argument("--context", type=number(int, 2), default=256, help="pretraining sequence length")
-    p.add_argument("--vocab", type=number(int, 257, why="byte-level BPE starts from the 256 bytes and the "
-                                                        "end-of-text token"), default=2048, help="BPE vocabulary")
+    p.add_argument("--pretrain-lr", type=number(float, 0, above=True), default=2e-3,
+                   help="peak pretraining rate")
+    p.add_argument("--batch", type=number(int, 1), default=16,
+                   help="sequences per pretraining step")
+    p.add_argument("--context", type=number(int, 2), default=256,
+                   help="pretraining sequence length")
+    bpe = "byte-level BPE starts from the 256 bytes and the end-of-text token"
+    p.add_argument("--vocab", type=number(int, 257, why=bpe), default=2048, help="BPE vocabulary")
     p.add_argument("--hidden", type=number(int, 2), default=256, help="hidden size")
     p.add_argument("--layers", type=number(int, 1), default=4, help="transformer blocks")
-    p.add_argument("--heads", type=number(int, 2), default=4, help="attention heads (half as many key/value heads)")
-    p.add_argument("--bf16", type=int, choices=[0, 1], default=None, help="bf16 autocast (default: 1 where the CPU has bf16)")
+    p.add_argument("--heads", type=number(int, 2), default=4,
+                   help="attention heads (half as many key/value heads)")
+    p.add_argument("--bf16", type=int, choices=[0, 1], default=None,
+                   help="bf16 autocast (default: 1 where the CPU has bf16)")
 
 
 # -----------------------------------------------------------------------------
@@ -202,8 +233,8 @@ def split(n, flag=None):
     shares joined are the whole. Where a flag sets n, it must split evenly, so that every
     process takes the same share and N processes make the update one makes."""
     if flag and n % WORLD:
-        raise InputError(f"{flag} {n} does not split evenly over {WORLD} processes; pass a multiple of {WORLD}, or "
-                         f"run fewer processes")
+        raise InputError(f"{flag} {n} does not split evenly over {WORLD} processes; pass a "
+                         f"multiple of {WORLD}, or run fewer processes")
     return RANK * n // WORLD, (RANK + 1) * n // WORLD
 
 
