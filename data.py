@@ -27,16 +27,18 @@ from model import InputError
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "states")
 RAW = "https://raw.githubusercontent.com"
+GSM8K = f"{RAW}/openai/grade-school-math/master/grade_school_math/data"
 SOURCES = {  # canonical path -> (url, sha256 or None when only a parse check is possible)
-    "gsm8k/train.jsonl": (f"{RAW}/openai/grade-school-math/master/grade_school_math/data/train.jsonl",
+    "gsm8k/train.jsonl": (f"{GSM8K}/train.jsonl",
                           "17f347dc51477c50d4efb83959dbb7c56297aba886e5544ee2aaed3024813465"),
-    "gsm8k/test.jsonl": (f"{RAW}/openai/grade-school-math/master/grade_school_math/data/test.jsonl",
+    "gsm8k/test.jsonl": (f"{GSM8K}/test.jsonl",
                          "3730d312f6e3440559ace48831e51066acaca737f6eabec99bccb9e4b3c39d14"),
     # upstream has been revised since the copy we checked, so a parse check instead of a hash
     "truthfulqa/mc_task.json": (f"{RAW}/sylinrl/TruthfulQA/main/data/mc_task.json", None),
     "mmlu": ("https://people.eecs.berkeley.edu/~hendrycks/data.tar", None),
 }
-HOW_TO_FIX = "download the files by hand into the layout in data.py's docstring and pass --data-dir (or set STATES_DATA)"
+HOW_TO_FIX = ("download the files by hand into the layout in data.py's docstring and pass "
+              "--data-dir (or set STATES_DATA)")
 
 
 class DataError(InputError):
@@ -53,7 +55,8 @@ def resolve_data_dir(data_dir=None, fetch=True, sources=SOURCES):
     if given:
         if not os.path.isdir(given):
             fix = ("pass --data-dir pointing at the dataset files" if data_dir else
-                   "point $STATES_DATA at the dataset files, or unset it to fetch them into ~/.cache/states")
+                   "point $STATES_DATA at the dataset files, or unset it to fetch them into "
+                   "~/.cache/states")
             raise DataError(f"data folder {given} does not exist; {fix}")
         return given
     if fetch:
@@ -83,14 +86,15 @@ def fetch_all(root, sources=SOURCES):
         if os.path.isfile(dest):
             continue
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        tmp = f"{dest}.part-{uuid.uuid4().hex}"  # not mkstemp's: its files are private to their owner
+        tmp = f"{dest}.part-{uuid.uuid4().hex}"  # not mkstemp's: private to their owner
         try:
             download(url, tmp)
             if sha is not None:
                 with open(tmp, "rb") as f:
                     got = hashlib.sha256(f.read()).hexdigest()
                 if got != sha:
-                    raise DataError(f"download of {url} has sha256 {got[:12]}..., expected {sha[:12]}...; {HOW_TO_FIX}")
+                    raise DataError(f"download of {url} has sha256 {got[:12]}..., expected "
+                                    f"{sha[:12]}...; {HOW_TO_FIX}")
             else:
                 (load_truthfulqa_file if rel.endswith(".json") else load_gsm8k_file)(tmp)
             os.replace(tmp, dest)
@@ -121,12 +125,14 @@ def fetch_mmlu(root, url):
                 split, subject = m.group(1), m.group(2)
                 text = tar.extractfile(member).read().decode("utf-8")
                 os.makedirs(os.path.join(work, "mmlu", split), exist_ok=True)
-                with open(os.path.join(work, "mmlu", split, f"{subject}_{split}.csv"), "w", newline="") as f:
+                csv_path = os.path.join(work, "mmlu", split, f"{subject}_{split}.csv")
+                with open(csv_path, "w", newline="") as f:
                     out = csv.writer(f)
                     out.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
                     for i, row in enumerate(csv.reader(io.StringIO(text)), 1):
                         if len(row) != 6 or row[5] not in ("A", "B", "C", "D"):
-                            raise DataError(f"{url}: {member.name} line {i} is not question,4 choices,letter; {HOW_TO_FIX}")
+                            raise DataError(f"{url}: {member.name} line {i} is not question,4 "
+                                            f"choices,letter; {HOW_TO_FIX}")
                         out.writerow(row[:5] + ["ABCD".index(row[5])])
         for split in ("dev", "test"):
             if not os.path.isdir(os.path.join(work, "mmlu", split)):
@@ -151,7 +157,8 @@ def load_gsm8k_file(path):
                 row = json.loads(line)
                 question, answer = row["question"], row["answer"]
             except (json.JSONDecodeError, KeyError, TypeError):
-                raise DataError(f"{path} line {i}: expected JSON with 'question' and 'answer'") from None
+                raise DataError(f"{path} line {i}: expected JSON with 'question' and "
+                                f"'answer'") from None
             gold = extract_answer(answer, "strict")
             if gold is None:
                 raise DataError(f"{path} line {i}: the answer does not end in '#### <number>'")
@@ -177,11 +184,14 @@ def load_mmlu_file(path, subject):
         reader = csv.reader(f)
         header = next(reader, None)
         if header != ["question", "choice0", "choice1", "choice2", "choice3", "answer"]:
-            raise DataError(f"{path} line 1: expected header question,choice0,choice1,choice2,choice3,answer")
+            raise DataError(f"{path} line 1: expected header "
+                            f"question,choice0,choice1,choice2,choice3,answer")
         for i, row in enumerate(reader, 2):
             if len(row) != 6 or row[5] not in ("0", "1", "2", "3"):
-                raise DataError(f"{path} line {i}: expected a question, 4 choices and an answer 0-3")
-            rows.append({"subject": subject, "question": row[0], "choices": row[1:5], "answer": int(row[5])})
+                raise DataError(f"{path} line {i}: expected a question, 4 choices and an "
+                                f"answer 0-3")
+            rows.append({"subject": subject, "question": row[0], "choices": row[1:5],
+                         "answer": int(row[5])})
     return rows
 
 
@@ -209,10 +219,12 @@ def load_truthfulqa_file(path):
     if not isinstance(rows, list):
         raise DataError(f"{path}: expected a JSON list of questions")
     for i, row in enumerate(rows):
-        ok = isinstance(row, dict) and all(k in row for k in ("question", "mc1_targets", "mc2_targets"))
+        keys = ("question", "mc1_targets", "mc2_targets")
+        ok = isinstance(row, dict) and all(k in row for k in keys)
         ok = ok and all(isinstance(row[k], dict) and row[k] for k in ("mc1_targets", "mc2_targets"))
         if not ok or sum(row["mc1_targets"].values()) != 1:
-            raise DataError(f"{path} item {i}: expected question, mc1_targets (one true) and mc2_targets")
+            raise DataError(f"{path} item {i}: expected question, mc1_targets (one true) and "
+                            f"mc2_targets")
     return rows
 
 
@@ -267,10 +279,11 @@ def state_mixture(text):
         weights = {name.strip(): float(w) for name, w in parts}
     except ValueError:  # a weight that is no number, or a part that is not name=weight
         weights = {}
-    if not weights or not set(weights) <= {"student", "teacher", "data"} or min(weights.values()) < 0 or abs(
-            sum(weights.values()) - 1) > 1e-6:
-        raise InputError(f"--state-source {text!r}: give student, teacher or data, or weights of them that sum to 1, "
-                         f"e.g. student=0.25,data=0.75")
+    known = set(weights) <= {"student", "teacher", "data"}
+    sums_to_one = abs(sum(weights.values()) - 1) <= 1e-6
+    if not weights or not known or min(weights.values()) < 0 or not sums_to_one:
+        raise InputError(f"--state-source {text!r}: give student, teacher or data, or weights of "
+                         f"them that sum to 1, e.g. student=0.25,data=0.75")
     return weights
 
 
@@ -303,7 +316,8 @@ CALCULATION = re.compile(r"(\d+) ([-+*/]) (\d+) = (\d+)")
 def gsm8k_style(rationale):
     """A rationale written as GSM8K's annotators wrote theirs: every calculation "a + b = c" as
     "a+b = <<a+b=c>>c", with its calculator annotation (the toy world's gold answers)."""
-    return CALCULATION.sub(lambda m: f"{m[1]}{m[2]}{m[3]} = <<{m[1]}{m[2]}{m[3]}={m[4]}>>{m[4]}", rationale)
+    return CALCULATION.sub(lambda m: f"{m[1]}{m[2]}{m[3]} = <<{m[1]}{m[2]}{m[3]}={m[4]}>>{m[4]}",
+                           rationale)
 
 
 GSM8K_STOP = ("Question:", "\n\nQuestion")
@@ -315,7 +329,8 @@ def gsm8k_gold_ids(tokenizer, row):
     of the whole text, so its first token is the one the tokenizer gives in context."""
     prompt = gsm8k_prompt(row["question"])
     prompt_ids = tokenizer.encode(prompt)
-    return prompt_ids, tokenizer.encode(prompt + " " + row["answer"])[len(prompt_ids):] + [tokenizer.eos_id]
+    answer_ids = tokenizer.encode(prompt + " " + row["answer"])[len(prompt_ids):]
+    return prompt_ids, answer_ids + [tokenizer.eos_id]
 
 
 def sft_examples(pairs, max_length):
@@ -324,15 +339,17 @@ def sft_examples(pairs, max_length):
     examples = [((p + a)[:max_length], len(p)) for p, a in pairs]
     kept = [e for e in examples if e[1] < len(e[0])]
     if not kept:
-        raise InputError(f"--max-length {max_length} cuts every example before its answer (the shortest prompt has "
-                         f"{min(p for _, p in examples)} tokens); raise it")
+        raise InputError(f"--max-length {max_length} cuts every example before its answer (the "
+                         f"shortest prompt has {min(p for _, p in examples)} tokens); raise it")
     if len(kept) < len(examples):
-        print(f"left out {len(examples) - len(kept)} of {len(examples)} examples whose prompt fills --max-length")
+        dropped = len(examples) - len(kept)
+        print(f"left out {dropped} of {len(examples)} examples whose prompt fills --max-length")
     return kept
 
 
 def mmlu_question(row):
-    lines = [row["question"].strip()] + [f"{letter}. {c}" for letter, c in zip("ABCD", row["choices"])]
+    choices = [f"{letter}. {c}" for letter, c in zip("ABCD", row["choices"])]
+    lines = [row["question"].strip()] + choices
     return "\n".join(lines) + "\nAnswer:"
 
 
