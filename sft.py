@@ -8,10 +8,9 @@ Signal source: the gold next token at each of those states (cross-entropy on the
                tokens only; the prompt is masked; end-of-text appended so the model learns
                to stop).
 --answers samples: rejection sampling (Yuan et al. 2023, arXiv 2308.01825): the same loss on
-               the base's own samples the exact-answer reward marks right: states it drew itself.
+               the base's own right samples (--samples-per-prompt a prompt, --max-new-tokens long).
 
-Presets (docs/paper.md): `mild` (1 epoch, lr 1e-4, rank 16, alpha 32; ours, the paper gives
-none) and `stress` (the paper's 5 epochs, lr 5e-4, rank 64, alpha 128); flags override them.
+Presets (docs/paper.md): `mild` (ours: the paper gives none) and `stress` (the paper's).
 
     python sft.py --preset stress               # -> out/stress
     python sft.py --preset mild --max-steps 20  # a short look
@@ -27,10 +26,8 @@ import runs
 import train
 from sample import generate, tokens_before_stop
 
-PRESETS = {
-    "mild": dict(epochs=1, lr=1e-4, rank=16, alpha=32),
-    "stress": dict(epochs=5, lr=5e-4, rank=64, alpha=128),
-}
+PRESETS = {"mild": dict(epochs=1, lr=1e-4, rank=16, alpha=32),
+           "stress": dict(epochs=5, lr=5e-4, rank=64, alpha=128)}
 
 
 def parse_args(argv):
@@ -44,8 +41,8 @@ def parse_args(argv):
     p.add_argument("--train-limit", type=cli.number(int, 0), default=0,
                    help="use the first N GSM8K train examples (0 = all 7,473)")
     p.add_argument("--answers", choices=["gold", "samples"], default="gold", help="(above)")
-    p.add_argument("--samples-per-prompt", type=cli.number(int, 1), default=4, help="--answers samples: drawn")
-    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="--answers samples: longest")
+    p.add_argument("--samples-per-prompt", type=cli.number(int, 1), default=4, help="(above)")
+    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="(above)")
     cli.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
     preset = p.parse_known_args(argv)[0].preset
     p.set_defaults(**PRESETS[preset])  # a flag given on the command line still wins
@@ -63,12 +60,12 @@ def main(argv=None):
 
     # the state source: (prompt, answer + end-of-text) pairs, the dataset's or the base's own
     rows = data.load_gsm8k("train", args.data_dir)[:args.train_limit or None]  # 0: all
-    pairs = [data.gsm8k_gold_ids(tok, r) for r in rows] if args.answers == "gold" else right_samples(
-        model, tok, rows, args)
+    pairs = ([data.gsm8k_gold_ids(tok, r) for r in rows] if args.answers == "gold"
+             else right_samples(model, tok, rows, args))
     examples = data.sft_examples(pairs, args.max_length)  # (ids, where the answer starts) each
     total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule; --max-steps stops early
     end = min(total, args.max_steps) if args.max_steps else total
-    passes = args.grad_accum, args.micro_batch_tokens  # how a step splits into forward-backward passes
+    passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
 
     base_logp = {}  # example -> the base's log-probs of its answer, which no step changes: measured once
     for step in run.steps(model, optimizer, end, "sft"):
@@ -81,11 +78,12 @@ def main(argv=None):
         loss, _, n_tokens = train.backward(lambda seqs, sts: train.token_nll(
             train.sequence_logprobs(model, seqs, sts, tok.pad_id)[0]), sequences, starts, *passes)
         run.check_finite(step + 1, loss)
-        lr, grad_norm = train.optimizer_step(optimizer, step, total, args.lr, args.warmup, args.grad_clip)
+        lr, grad_norm = train.optimizer_step(optimizer, step, total, args.lr, args.warmup,
+                                             args.grad_clip)
         # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
         new = [k for k, i in enumerate(picked) if i not in base_logp]
-        logprobs = train.base_logprobs(model, [sequences[k] for k in new], [starts[k] for k in new], tok.pad_id,
-                                       *passes)
+        seqs, sts = [sequences[k] for k in new], [starts[k] for k in new]
+        logprobs = train.base_logprobs(model, seqs, sts, tok.pad_id, *passes)
         base_logp.update((picked[k], lp) for k, lp in zip(new, logprobs))
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr,
                      grad_norm=grad_norm, tokens=n_tokens),
@@ -95,15 +93,17 @@ def main(argv=None):
 
 def right_samples(model, tok, rows, args):
     """(prompt, answer + end-of-text) ids of the base's samples that are right, cut at a stop."""
+    prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
     with lora.use_adapter(model.eval(), None):
-        drawn = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in rows], n=args.samples_per_prompt,
-                         max_new_tokens=args.max_new_tokens, temperature=1.0, stop=data.GSM8K_STOP, seed=args.seed)
-    right = [r for r in drawn if data.is_correct(r.text, rows[r.prompt_index]["gold"])]  # RL's reward
+        drawn = generate(model, tok, prompts, n=args.samples_per_prompt, temperature=1.0,
+                         max_new_tokens=args.max_new_tokens, stop=data.GSM8K_STOP, seed=args.seed)
+    right = [r for r in drawn if data.is_correct(r.text, rows[r.prompt_index]["gold"])]  # RL's
     print(f"--answers samples: {len(right)} of {len(drawn)} samples right")
     if not right:
-        raise M.InputError("--answers samples: no sample of the base is right; raise --samples-per-prompt")
-    return [(r.prompt_ids, [t for t in tokens_before_stop(tok, r.completion_ids, data.GSM8K_STOP) if t != tok.eos_id]
-             + [tok.eos_id]) for r in right]
+        raise M.InputError("no sample of the base is right; raise --samples-per-prompt")
+    answers = [tokens_before_stop(tok, r.completion_ids, data.GSM8K_STOP) for r in right]
+    return [(r.prompt_ids, [t for t in a if t != tok.eos_id] + [tok.eos_id])
+            for r, a in zip(right, answers)]
 
 
 if __name__ == "__main__":

@@ -97,3 +97,10 @@ def test_sft_on_the_bases_own_right_samples_trains_on_those_alone(tiny_model, da
     own_nll = -logp.mean().item()
     step = read_log(out)[0]
     assert step["state_nll_base"] == pytest.approx(own_nll, abs=1e-5) and step["loss"] == pytest.approx(own_nll, abs=1e-5)
+
+
+def test_sft_on_samples_none_of_which_is_right_is_an_input_error(tiny_model, data_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "is_correct", lambda text, gold: False)
+    with pytest.raises(M.InputError, match="no sample of the base is right; raise --samples-per-prompt"):
+        sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--answers", "samples", "--train-limit", 2,
+                        "--samples-per-prompt", 2, "--max-new-tokens", 4, "--max-steps", 1))
