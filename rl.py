@@ -62,7 +62,8 @@ def policy_loss(logp, old_logp, advantages, clip, ref_logp=None, kl_coef=0.0):
     # on the first epoch logp and old_logp are one policy computed twice (trainer, sampler):
     # their gap is float rounding, the measure of how on-policy the step is
     gaps = (logp - old_logp).detach().abs()
-    metrics = dict(clip_frac=((ratio - 1).abs() > clip).sum().item(), sampler_gap=gaps.sum().item(), gaps=gaps.cpu())
+    metrics = dict(clip_frac=((ratio - 1).abs() > clip).sum().item(), sampler_gap=gaps.sum().item(),
+                   gaps=gaps.cpu())
     if ref_logp is not None and kl_coef > 0:
         # k3 estimator of KL(pi || ref), unbiased and always >= 0 (Schulman 2020, "Approximating KL divergence")
         log_r = ref_logp - logp
@@ -84,7 +85,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
     optimizer = train.adapter_and_optimizer(model, args)
     rows = data.load_gsm8k("train", args.data_dir)
     end = min(args.steps, args.max_steps) if args.max_steps else args.steps
-    passes = args.grad_accum, args.micro_batch_tokens  # how a step splits into forward-backward passes
+    passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
 
     for step in run.steps(model, optimizer, end, "rl"):
         batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
@@ -101,8 +102,8 @@ def main(argv=None, reward_fn=exact_answer_reward):
         rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
         advantages = [torch.full((len(r.completion_ids),), a, device=device) for r, a in
                       zip(rollouts, group_advantages(rewards, args.group_size).tolist())]
-        sampled = [torch.tensor(r.logprobs, device=device) for r in rollouts]  # the sampler's: the "old" policy
-        base = train.base_logprobs(model, sequences, starts, tok.pad_id, *passes)  # --kl-coef's reference
+        sampled = [torch.tensor(r.logprobs, device=device) for r in rollouts]  # the "old" policy
+        base = train.base_logprobs(model, sequences, starts, tok.pad_id, *passes)  # KL's reference
 
         def loss_of(seqs, sts, sampled, advantages, base):  # one pass's share of each, joined
             logp, _ = train.sequence_logprobs(model, seqs, sts, tok.pad_id)
@@ -110,12 +111,14 @@ def main(argv=None, reward_fn=exact_answer_reward):
 
         model.train()
         for _ in range(args.ppo_epochs):  # no PPO ratio+clip needed at 1 epoch: we are on policy
-            loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, *passes, sampled=sampled,
-                                                     advantages=advantages, base=base)
+            loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, *passes,
+                                                     sampled=sampled, advantages=advantages,
+                                                     base=base)
             run.check_finite(step + 1, loss)
-            lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup, args.grad_clip)
+            lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup,
+                                                 args.grad_clip)
 
-        # every token's |trainer - sampler| log-prob gap (the last epoch's): its tail shows a bf16 mismatch
+        # each token's |trainer - sampler| log-prob gap (the last epoch's): its tail shows bf16's
         p95 = torch.tensor(cli.joined(metrics.pop("gaps").tolist())).quantile(0.95).item()
         groups = torch.tensor(rewards).view(-1, args.group_size)
         # the states RL trains on are the policy's own: their NLL is that of its samples
