@@ -7,8 +7,8 @@ teacher with the teacher's own rollouts as states (offline distillation), so tha
 opd-stress and kd-stress differ in the state source alone; and opd-sampled, the OPD most
 used today (the teacher's log-ratio at the student's sampled token as an advantage).
 
-    python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py), offline,
-                                           # from the base shipped in toy-base/ (--pretrain: pretrain it)
+    python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py),
+                                           # offline, from the base shipped in toy-base/
     python reproduce.py --preset toy --seeds 3
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
     python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
@@ -54,23 +54,28 @@ def runs_of(out, seed=0):
     kd-stress (opd-stress on the teacher's states) and opd-sampled. Seed 0
     writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD teachers too)."""
     tag = f"-seed{seed}" if seed else ""
+    mild, stress = (os.path.join(out, teacher + tag) for teacher in ("mild", "stress"))
     conditions = {
         "mild": ("sft", ["--preset", "mild"]),
         "stress": ("sft", ["--preset", "stress"]),
-        "opd-mild": ("opd", ["--teacher", os.path.join(out, "mild" + tag)]),
-        "opd-stress": ("opd", ["--teacher", os.path.join(out, "stress" + tag)]),
-        "kd-stress": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--state-source", "teacher"]),
-        "opd-logits": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--signal", "logits"]),
-        "opd-sampled": ("opd", ["--teacher", os.path.join(out, "stress" + tag), "--signal", "sampled"]),
+        "opd-mild": ("opd", ["--teacher", mild]),
+        "opd-stress": ("opd", ["--teacher", stress]),
+        "kd-stress": ("opd", ["--teacher", stress, "--state-source", "teacher"]),
+        "opd-logits": ("opd", ["--teacher", stress, "--signal", "logits"]),
+        "opd-sampled": ("opd", ["--teacher", stress, "--signal", "sampled"]),
         "rl": ("rl", []),
     }
-    return {name + tag: (script, [*argv, "--seed", str(seed)]) for name, (script, argv) in conditions.items()}
+    return {name + tag: (script, [*argv, "--seed", str(seed)])
+            for name, (script, argv) in conditions.items()}
 
 
-# the pressure study (docs/pressure-study.md): its arms, each script's learning rates and snapshot spacing
+# the pressure study (docs/pressure-study.md): its arms, each script's learning rates and
+# snapshot spacing
 PRESSURE = {
-    "toy": dict(arms=(*pressure.ARMS, *pressure.ENDS), snapshot_every={"opd": 20, "sft": 21, "rl": 34},
-                lrs={"opd": (1e-3, 3e-3, 6e-3, 1e-2), "sft": (1e-3, 3e-3, 6e-3, 1e-2), "rl": (3e-4, 1e-3, 3e-3, 1e-2)}),
+    "toy": dict(arms=(*pressure.ARMS, *pressure.ENDS),
+                snapshot_every={"opd": 20, "sft": 21, "rl": 34},
+                lrs={"opd": (1e-3, 3e-3, 6e-3, 1e-2), "sft": (1e-3, 3e-3, 6e-3, 1e-2),
+                     "rl": (3e-4, 1e-3, 3e-3, 1e-2)}),
     "toy-mini": dict(arms=("student", "data"), snapshot_every={"opd": 1}, lrs={"opd": (1e-3,)}),
 }
 
@@ -87,23 +92,29 @@ def pressure_runs(out, seed=0, preset="toy"):
         flags = (["--preset", "mild"] if arm == "sft" else [] if arm == "rl" else
                  ["--teacher", teacher, "--state-source", pressure.ARMS[arm]])
         for lr in spec["lrs"][script]:
-            conditions[pressure.run_name(arm, lr, seed)] = (script, [*flags, "--lr", str(lr), "--snapshot-every",
-                                                                     str(spec["snapshot_every"][script]), "--seed", str(seed)])
+            every = str(spec["snapshot_every"][script])
+            conditions[pressure.run_name(arm, lr, seed)] = (script, [
+                *flags, "--lr", str(lr), "--snapshot-every", every, "--seed", str(seed)])
     return conditions
 
 
 # the toy's scoring: zero-shot prompts (its context is 256 tokens), MMLU by each choice's text
-TOY_EVAL = ["--gsm8k-fewshot", "0", "--mmlu-shots", "0", "--mmlu-scoring", "text", "--max-new-tokens", "96"]
+TOY_EVAL = ["--gsm8k-fewshot", "0", "--mmlu-shots", "0", "--mmlu-scoring", "text",
+            "--max-new-tokens", "96"]
 PRESETS = {
     "paper": dict(model=M.DEFAULT_MODEL, train={}, eval=[], drift=[]),
     "smoke": dict(
         model=None,  # built on the spot
         train={"sft": ["--train-limit", "32", "--batch-size", "4", "--max-steps", "4"],
-               "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-steps", "2"],
-               "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16", "--continuation-tokens", "8", "--max-steps", "2"]},
-        eval=["--gsm8k-limit", "4", "--gsm8k-fewshot", "1", "--max-new-tokens", "16", "--mmlu-limit", "4",
-              "--mmlu-shots", "1", "--truthfulqa-limit", "4", "--batch-size", "4"],
-        drift=["--prompts", "4", "--max-new-tokens", "24", "--stride", "8", "--permutations", "20"]),
+               "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
+                      "--max-steps", "2"],
+               "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16",
+                       "--continuation-tokens", "8", "--max-steps", "2"]},
+        eval=["--gsm8k-limit", "4", "--gsm8k-fewshot", "1", "--max-new-tokens", "16",
+              "--mmlu-limit", "4", "--mmlu-shots", "1", "--truthfulqa-limit", "4",
+              "--batch-size", "4"],
+        drift=["--prompts", "4", "--max-new-tokens", "24", "--stride", "8",
+               "--permutations", "20"]),
     # the CPU-scale model organism (toy.py): hyperparameters scaled for a 3.7M-parameter base
     "toy": dict(
         model="toy",
@@ -112,23 +123,28 @@ PRESETS = {
         train={"sft": ["--train-limit", "1000"],
                "mild": ["--lr", "2e-3", "--epochs", "3"],
                "stress": ["--lr", "5e-3"],
-               "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96", "--lr", "3e-4",
-                      "--warmup", "0.05"],
-               "opd": ["--steps", "120", "--max-new-tokens", "96", "--continuation-tokens", "32", "--lr", "3e-3"]},
-        eval=TOY_EVAL + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0", "--batch-size", "32"],
+               "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96",
+                      "--lr", "3e-4", "--warmup", "0.05"],
+               "opd": ["--steps", "120", "--max-new-tokens", "96",
+                       "--continuation-tokens", "32", "--lr", "3e-3"]},
+        eval=TOY_EVAL + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0",
+                         "--batch-size", "32"],
         eval_base=["--samples", "16"],  # pass@16 of the base, for its calibration band
         drift=["--prompts", "200", "--max-new-tokens", "96"]),
     # the same stages on a miniature world and model, for CI: minutes, not meaningful
     "toy-mini": dict(
         model="toy",
-        toy=["--pretrain-steps", "30", "--hidden", "64", "--layers", "2", "--vocab", "512", "--batch", "8",
-             "--target-problems", "200"],
+        toy=["--pretrain-steps", "30", "--hidden", "64", "--layers", "2", "--vocab", "512",
+             "--batch", "8", "--target-problems", "200"],
         train={"sft": ["--batch-size", "8", "--max-steps", "3"],
-               "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--max-steps", "2"],
-               "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16", "--continuation-tokens", "8", "--max-steps", "2"]},
+               "rl": ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
+                      "--max-steps", "2"],
+               "opd": ["--prompts-per-step", "2", "--max-new-tokens", "16",
+                       "--continuation-tokens", "8", "--max-steps", "2"]},
         eval=TOY_EVAL[:-2] + ["--max-new-tokens", "16", "--gsm8k-limit", "4", "--mmlu-limit", "4",
-                                    "--truthfulqa-limit", "4", "--batch-size", "4"],
-        drift=["--prompts", "4", "--max-new-tokens", "16", "--stride", "8", "--permutations", "20"]),
+                              "--truthfulqa-limit", "4", "--batch-size", "4"],
+        drift=["--prompts", "4", "--max-new-tokens", "16", "--stride", "8",
+               "--permutations", "20"]),
 }
 
 
@@ -138,14 +154,16 @@ def build_smoke_model(folder, data_dir):
         return folder
     os.makedirs(folder, exist_ok=True)
     rows = data.load_gsm8k("train", data_dir)[:2000]
-    tok_path = toy.train_tokenizer([f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows],
-                                   os.path.join(folder, "tokenizer.json"), vocab_size=512)
-    config = M.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
-                           rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=0)
+    texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
+    tok_path = toy.train_tokenizer(texts, os.path.join(folder, "tokenizer.json"), vocab_size=512)
+    config = M.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
+                           tie_word_embeddings=True, max_position_embeddings=4096, eos_token_id=0)
     net, g = M.Qwen3(config), torch.Generator().manual_seed(0)
     for name, p in net.named_parameters():  # normal(0, 0.1), norms at one
-        p.data = torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=g) * 0.1
+        norm = name.endswith("norm.weight")
+        p.data = torch.ones_like(p) if norm else torch.randn(p.shape, generator=g) * 0.1
     return M.save(net, folder, tok_path)
 
 
@@ -171,26 +189,32 @@ class Stages:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="toy", help="which study to run")
     p.add_argument("--seeds", type=cli.number(int, 1), default=1,
                    help="repeat the post-training conditions over this many seeds")
-    p.add_argument("--out", default=None, help="output root (default: out for paper, out/<preset> otherwise)")
+    p.add_argument("--out", default=None,
+                   help="output root (default: out for paper, out/<preset> otherwise)")
     p.add_argument("--study", choices=["main", "pressure"], default="main",
-                   help="main: the paper's conditions; pressure: P2 at matched pressure (toy presets, docs/pressure-study.md)")
-    p.add_argument("--pretrain", action="store_true", help="toy presets: pretrain the base here even where the one "
-                                                             "shipped in toy-base/ is the same")
+                   help="main: the paper's conditions; pressure: P2 at matched pressure (toy "
+                        "presets, docs/pressure-study.md)")
+    p.add_argument("--pretrain", action="store_true",
+                   help="toy presets: pretrain the base here even where the one shipped in "
+                        "toy-base/ is the same")
     cli.add_model_args(p, model_help="base model (default: the preset's)")
     args = p.parse_args(argv)
     if cli.WORLD > 1:  # every process would run the whole study and write the same files
-        raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's scripts one by one "
-                              "(README: More than one GPU)")
+        raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's "
+                              "scripts one by one (README: More than one GPU)")
     if args.study == "pressure" and args.preset not in PRESSURE:
-        raise runs.InputError(f"--study pressure is a toy study: pass --preset {' or '.join(PRESSURE)}")
+        raise runs.InputError(f"--study pressure is a toy study: pass --preset "
+                              f"{' or '.join(PRESSURE)}")
     preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
     out = os.path.join(out, "pressure") if args.study == "pressure" and not args.out else out
-    with runs.holding(out):  # a second reproduce.py in the same folder would train the same runs at once
+    # held: a second reproduce.py in the same folder would train the same runs at once
+    with runs.holding(out):
         study(args, preset, out)
 
 
@@ -263,29 +287,33 @@ def check_finished(folder, model, settings, preset):
     from the teacher there now, with the settings the preset gives (settings: the parsed argv)."""
     runs.check_same_base(folder, model)
     if runs.teacher_changed(folder):
-        raise M.InputError(f"{folder} was distilled from an earlier adapter of its teacher than the one there now "
-                           f"(trained again since); delete the folder to train it from the teacher there now, "
-                           f"or pass another --out")
+        raise M.InputError(f"{folder} was distilled from an earlier adapter of its teacher than "
+                           f"the one there now (trained again since); delete the folder to train "
+                           f"it from the teacher there now, or pass another --out")
     changed = runs.changed_settings(folder, settings, NOT_SETTINGS)
     if changed:
-        raise M.InputError(f"{folder} was trained with other settings than the {preset} preset's now "
-                           f"({'; '.join(changed)}); delete the folder to train it again, or pass another --out")
+        raise M.InputError(f"{folder} was trained with other settings than the {preset} preset's "
+                           f"now ({'; '.join(changed)}); delete the folder to train it again, or "
+                           f"pass another --out")
 
 
 def check_base(scores):
     """The toy base model's calibration band: room to move both ways on every task, and a target
     it solves in some of its samples (pass@K, where the evaluation drew K)."""
-    bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.45), "mmlu": (scores["mmlu"]["acc"], 0.5, 0.95),
+    bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.45),
+             "mmlu": (scores["mmlu"]["acc"], 0.5, 0.95),
              "truthfulqa": (scores["truthfulqa"]["mc1"], 0.5, 0.95)}
     drawn = scores.get("gsm8k_samples")  # often right some of the time: room for RL to sharpen it
     if drawn:
         bands[f"gsm8k pass@{drawn['samples']}"] = (drawn[f"pass@{drawn['samples']}"], 0.8, 1.01)
     for name, (value, lo, hi) in bands.items():
         print(f"base {name}: {value:.3f} (band {lo} to {hi})")
-    bad = [f"{n} {v:.3f} outside [{lo}, {hi}]" for n, (v, lo, hi) in bands.items() if not lo <= v < hi]
+    bad = [f"{n} {v:.3f} outside [{lo}, {hi}]" for n, (v, lo, hi) in bands.items()
+           if not lo <= v < hi]
     if bad:
-        raise SystemExit(f"the toy base model is out of its calibration band: {'; '.join(bad)}; change "
-                         f"--pretrain-steps or --target-problems in the toy preset and delete the base-model folder")
+        raise SystemExit(f"the toy base model is out of its calibration band: {'; '.join(bad)}; "
+                         f"change --pretrain-steps or --target-problems in the toy preset and "
+                         f"delete the base-model folder")
 
 
 if __name__ == "__main__":
