@@ -58,7 +58,8 @@ import runs
 import train
 from sample import generate, left_pad
 
-ROUNDING = 1e-12  # MMD^2 values this close count as equal (float64 sums over up to ~10^7 kernel entries)
+# MMD^2 values this close count as equal (float64 sums over up to ~10^7 kernel entries)
+ROUNDING = 1e-12
 
 WORD = re.compile(r"[a-z0-9]+|[^\sa-z0-9]")
 
@@ -98,9 +99,10 @@ def hidden_features(model, states, batch_size=16, starts=None):
             ids, mask = left_pad(batch, 0, device)
             h = model(ids, attention_mask=mask, hidden_only=True).float()
             # left padding: state j's token k sits at column width - len(state j) + k
-            first = torch.tensor([ids.shape[1] - len(s) + start for s, start in zip(batch, starts[i:i + batch_size])],
-                                 device=device)
-            pool = (torch.arange(ids.shape[1], device=device)[None, :] >= first[:, None]).to(h.dtype)
+            first = torch.tensor([ids.shape[1] - len(s) + start for s, start in
+                                  zip(batch, starts[i:i + batch_size])], device=device)
+            columns = torch.arange(ids.shape[1], device=device)
+            pool = (columns[None, :] >= first[:, None]).to(h.dtype)
             out.append(((h * pool[..., None]).sum(1) / pool.sum(1, keepdim=True)).cpu())
     return torch.cat(out)
 
@@ -165,7 +167,8 @@ def mmd2_test(X, Y, bandwidth, permutations=200, seed=0, x_prompts=None, y_promp
             labels[:, p] = False
             labels[torch.randperm(len(Z), generator=g)[:len(X)], p] = True
     else:
-        _, groups = torch.cat([torch.as_tensor(x_prompts), torch.as_tensor(y_prompts)]).unique(return_inverse=True)
+        both = torch.cat([torch.as_tensor(x_prompts), torch.as_tensor(y_prompts)])
+        _, groups = both.unique(return_inverse=True)
         flips = torch.rand(int(groups.max()) + 1, permutations, generator=g) < 0.5
         labels[:, 1:] = first[:, None] ^ flips[groups]
     K.masked_fill_(groups[:, None] == groups[None, :], 0.0)
@@ -216,28 +219,31 @@ def rollout_states(rollouts, stride):
 
 
 def collect(model, tok, prompts, args):
-    first, last = cli.split(len(prompts))  # under torchrun, each process rolls out its share of the prompts
+    first, last = cli.split(len(prompts))  # under torchrun, each process rolls out its share
     rollouts = generate(model, tok, prompts[first:last], max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, stop=data.GSM8K_STOP, seed=args.seed + first, progress=True)
+                        temperature=args.temperature, stop=data.GSM8K_STOP, seed=args.seed + first,
+                        progress=True)
     for r in rollouts:
         r.prompt_index += first
     rollouts = cli.joined(rollouts)
     states, prompt_lengths, prompts = rollout_states(rollouts, args.stride)
-    return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts, texts=[r.text for r in rollouts])
+    return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts,
+                texts=[r.text for r in rollouts])
 
 
 def featurize(model, tok, rollout_set, kind, embed="state"):
     """Features (N, d) of a collect() result's states, and each one's prompt index.
     embed="generated" keeps each state's generated part only, and leaves out states with
     none (an empty completion)."""
-    states, starts, prompts = rollout_set["states"], rollout_set["prompt_lengths"], rollout_set["prompts"]
+    states, starts, prompts = (rollout_set[k] for k in ("states", "prompt_lengths", "prompts"))
     if embed == "state":
         starts = [0] * len(states)
     else:
         kept = [i for i, (s, start) in enumerate(zip(states, starts)) if len(s) > start]
-        states, starts, prompts = ([values[i] for i in kept] for values in (states, starts, prompts))
+        states, starts, prompts = ([v[i] for i in kept] for v in (states, starts, prompts))
     if kind == "lexical":
-        return lexical_features([tok.decode(s[start:]) for s, start in zip(states, starts)]), prompts
+        texts = [tok.decode(s[start:]) for s, start in zip(states, starts)]
+        return lexical_features(texts), prompts
     return hidden_features(model, states, starts=starts), prompts
 
 
@@ -250,29 +256,34 @@ def offpolicy_gap(model, tok, rows, max_new_tokens, seed=0):
     and of its own temperature-1 samples on the same prompts (an on-policy method's first
     states), (gold, own): their difference is how far off-policy SFT's data is for the base,
     and `own` the reference that a run's state_nll_base is read against."""
-    def nll(pairs):  # the base's mean per-token NLL of each (prompt ids, continuation ids)'s continuation
-        total, n = train.base_nll(train.base_logprobs(model, [p + c for p, c in pairs], [len(p) for p, _ in pairs],
-                                                      tok.pad_id, max_tokens=4096))
+    def nll(pairs):  # the base's mean per-token NLL of each (prompt, continuation)'s continuation
+        sequences, starts = [p + c for p, c in pairs], [len(p) for p, _ in pairs]
+        total, n = train.base_nll(train.base_logprobs(model, sequences, starts, tok.pad_id,
+                                                      max_tokens=4096))
         return total / max(1, n)
     gold = [data.gsm8k_gold_ids(tok, r) for r in rows]
     with lora.use_adapter(model, None):
-        own = generate(model, tok, [p for p, _ in gold], max_new_tokens=max_new_tokens, temperature=1.0,
-                       stop=data.GSM8K_STOP, seed=seed)
+        own = generate(model, tok, [p for p, _ in gold], max_new_tokens=max_new_tokens,
+                       temperature=1.0, stop=data.GSM8K_STOP, seed=seed)
         return nll(gold), nll([(r.prompt_ids, r.completion_ids) for r in own if r.completion_ids])
 
 
 def report_offpolicy_gap(model_path, data_dir, prompts=200, max_new_tokens=96):
-    """Print offpolicy_gap of a base model on the first train questions (toy.py's at its defaults)."""
-    gold, own = offpolicy_gap(*M.load(model_path), data.load_gsm8k("train", data_dir)[:prompts], max_new_tokens)
-    print(f"the base's per-token NLL of SFT's gold answers {gold:.3f}, of its own temperature-1 samples on the same "
-          f"prompts {own:.3f}: SFT's states lie {gold - own:.3f} nats per token off the base's own")
+    """Print offpolicy_gap of a base model on the first train questions (toy.py's at its
+    defaults)."""
+    rows = data.load_gsm8k("train", data_dir)[:prompts]
+    gold, own = offpolicy_gap(*M.load(model_path), rows, max_new_tokens)
+    print(f"the base's per-token NLL of SFT's gold answers {gold:.3f}, of its own temperature-1 "
+          f"samples on the same prompts {own:.3f}: SFT's states lie {gold - own:.3f} nats per "
+          f"token off the base's own")
     return gold, own
 
 
 def full_rollouts(rollout_set):
     """(token ids, prompt length) of each whole rollout in a collect() result: its longest state."""
     longest = {}
-    for state, start, prompt in zip(rollout_set["states"], rollout_set["prompt_lengths"], rollout_set["prompts"]):
+    keys = ("states", "prompt_lengths", "prompts")
+    for state, start, prompt in zip(*(rollout_set[k] for k in keys)):
         if prompt not in longest or len(state) > len(longest[prompt][0]):
             longest[prompt] = (state, start)
     return [longest[p] for p in sorted(longest)]
@@ -284,14 +295,15 @@ def kl_to_base(model, adapter, rollouts, batch_size=16, base_states=None):
     KL(pi_base(.|s) || pi(.|s)), exactly over the vocabulary, at every state s of the base's
     own rollouts (token ids, prompt length), summed over each rollout, averaged over rollouts.
     base_states, a dict, keeps the base's side of each batch for the next run's call."""
-    total, written = 0.0, [r for r in rollouts if len(r[0]) > r[1]]  # an empty rollout has no state to compare
+    total, written = 0.0, [r for r in rollouts if len(r[0]) > r[1]]  # an empty one has no state
     base_states = {} if base_states is None else base_states
     for i in range(0, len(written), batch_size):
         sequences, starts = map(list, zip(*written[i:i + batch_size]))
         if i not in base_states:
             base_states[i] = train.frozen_states(model, None, sequences, starts)[0]
         run_h = train.frozen_states(model, adapter, sequences, starts)[0]
-        total += train.token_kl(model, run_h, base_states[i], model.lm_head.weight, "forward").sum().item()
+        kl = train.token_kl(model, run_h, base_states[i], model.lm_head.weight, "forward")
+        total += kl.sum().item()
     return total / max(1, len(rollouts))
 
 
@@ -311,19 +323,24 @@ def done(run, args):
     flags (reproduce.py measures again what is not)."""
     path = os.path.join(run, "drift.json")
     return os.path.isfile(path) and runs.first_difference(
-        M.read_json(path).get("fingerprint", {}), fingerprint(args, lora.adapter_sha256(run))) is None
+        M.read_json(path).get("fingerprint", {}),
+        fingerprint(args, lora.adapter_sha256(run))) is None
 
 
 def add_drift_args(p):
-    p.add_argument("--prompts", type=cli.number(int, 2, why="MMD^2 compares states of different prompts"), default=200,
-                   help="first N GSM8K test questions as the fixed prompt set")
+    p.add_argument("--prompts", default=200, help="first N GSM8K test questions: the prompt set",
+                   type=cli.number(int, 2, why="MMD^2 compares states of different prompts"))
     p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="longest rollout")
-    p.add_argument("--temperature", type=cli.number(float, 0), default=1.0, help="rollout temperature")
-    p.add_argument("--stride", type=cli.number(int, 1), default=16, help="take a prefix state every N generated tokens")
-    p.add_argument("--features", choices=["lexical", "hidden"], default="lexical", help="state embedding")
+    p.add_argument("--temperature", type=cli.number(float, 0), default=1.0,
+                   help="rollout temperature")
+    p.add_argument("--stride", type=cli.number(int, 1), default=16,
+                   help="take a prefix state every N generated tokens")
+    p.add_argument("--features", choices=["lexical", "hidden"], default="lexical",
+                   help="state embedding")
     p.add_argument("--embed", choices=["state", "generated"], default="state",
                    help="embed the whole state (x, y_<t), or only its generated part y_<t")
-    p.add_argument("--permutations", type=cli.number(int, 1), default=200, help="permutations for the MMD p-value")
+    p.add_argument("--permutations", type=cli.number(int, 1), default=200,
+                   help="permutations for the MMD p-value")
     p.add_argument("--projections", type=cli.number(int, 1), default=64,
                    help="random directions of the sliced Wasserstein distance")
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
