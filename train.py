@@ -240,7 +240,7 @@ def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_seque
     whole step whatever the split and the number of processes. Returns (the loss's token mean,
     each metric's token mean or joined tensor, the step's tokens)."""
     n_tokens = cli.summed(sum(len(s) - start for s, start in zip(sequences, starts)))[0]
-    loss_sum, sums, joined = 0.0, {}, {}
+    loss_sum, sums, parts = 0.0, {}, {}
     for part in micro_batches(list(map(len, sequences)), grad_accum, max_tokens):
         shares = {k: torch.cat([v[i] for i in part]) for k, v in per_sequence.items()}
         loss, metrics = loss_of([sequences[i] for i in part], [starts[i] for i in part], **shares)
@@ -248,11 +248,12 @@ def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_seque
         loss_sum += loss.item()
         for k, v in metrics.items():
             if torch.is_tensor(v):
-                joined[k] = torch.cat([joined[k], v]) if k in joined else v
+                parts.setdefault(k, []).append(v)
             else:
                 sums[k] = sums.get(k, 0.0) + float(v)
     loss_sum, *values = cli.summed(loss_sum, *sums.values())  # every process's share
     means = {k: v / n_tokens for k, v in zip(sums, values)}
+    joined = {k: torch.cat(v) for k, v in parts.items()}
     return loss_sum / n_tokens, {**means, **joined}, n_tokens
 
 
