@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from model import DEFAULT_MODEL, InputError
+from model import DEFAULT_MODEL, InputError, read_json
 
 
 # -----------------------------------------------------------------------------
@@ -92,6 +92,32 @@ def device_from_args(args):
     picked = "given" if args.dtype else "default for " + device.type
     print(f"device {device} ({source}), dtype {dtype} ({picked})")
     return device, dtype
+
+
+def model_and_data_from(args, *folders):
+    """--model and --data-dir, where not given, from the run.json of the first of folders (a
+    teacher, a run to resume or evaluate) that names them, else the defaults; printed with
+    where they came from."""
+    for name in ("model", "data_dir"):
+        source = "given" if getattr(args, name) is not None else "default"
+        for folder in filter(None, folders if getattr(args, name) is None else ()):
+            path = os.path.join(folder, "run.json")
+            value = read_json(path).get(name) if os.path.isfile(path) else None
+            if value is not None:
+                setattr(args, name, value)
+                source = f"from {path}"
+                break
+        if getattr(args, name) is None and name == "model":
+            args.model = DEFAULT_MODEL
+        print(f"--{name.replace('_', '-')} {getattr(args, name)} ({source})")
+    return args
+
+
+def resolve(args, *folders):
+    """A training script's start: model_and_data_from, every setting printed, the device."""
+    model_and_data_from(args, *folders)
+    print(vars(args))
+    return device_from_args(args)
 
 
 def run_script(main, memory_fix="rerun with smaller settings"):

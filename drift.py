@@ -41,7 +41,6 @@ the prompts are the same for every model and only dilute the difference. Results
     python drift.py out/mild out/stress --model Qwen/Qwen3-0.6B-Base
 """
 import argparse
-import hashlib
 import json
 import os
 import re
@@ -54,6 +53,7 @@ import cli
 import data
 import lora
 import model as M
+import provenance
 import runs
 import train
 from sample import generate, left_pad
@@ -218,15 +218,16 @@ def rollout_states(rollouts, stride):
     return states, prompt_lengths, prompts
 
 
-def collect(model, tok, prompts, args):
+def collect(model, tok, prompts, max_new_tokens, temperature, stride, seed):
+    """One rollout of each prompt, prompt i's drawn from seed + i, and its states (ROLLOUT)."""
     first, last = cli.split(len(prompts))  # under torchrun, each process rolls out its share
-    rollouts = generate(model, tok, prompts[first:last], max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, stop=data.GSM8K_STOP, seed=args.seed + first,
+    rollouts = generate(model, tok, prompts[first:last], max_new_tokens=max_new_tokens,
+                        temperature=temperature, stop=data.GSM8K_STOP, seed=seed + first,
                         progress=True)
     for r in rollouts:
         r.prompt_index += first
     rollouts = cli.joined(rollouts)
-    states, prompt_lengths, prompts = rollout_states(rollouts, args.stride)
+    states, prompt_lengths, prompts = rollout_states(rollouts, stride)
     return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts,
                 texts=[r.text for r in rollouts])
 
@@ -307,24 +308,8 @@ def kl_to_base(model, adapter, rollouts, batch_size=16, base_states=None):
     return total / max(1, len(rollouts))
 
 
-# the flags that decide a drift.json's rollouts and features
-COLUMN_FLAGS = ("features", "embed", "prompts", "max_new_tokens", "temperature", "stride", "seed")
-
-
-def fingerprint(args, adapter_sha256):
-    """What decides a drift number: the model, the adapter and COLUMN_FLAGS. Two runs' drifts
-    compare only where these agree but for the adapter (results.check_fingerprints)."""
-    return dict(model=runs.model_identity(args.model), adapter_sha256=adapter_sha256,
-                **{f: getattr(args, f) for f in COLUMN_FLAGS})
-
-
-def done(run, args):
-    """Whether the run folder holds a drift.json of the adapter there now, measured with args'
-    flags (reproduce.py measures again what is not)."""
-    path = os.path.join(run, "drift.json")
-    return os.path.isfile(path) and runs.first_difference(
-        M.read_json(path).get("fingerprint", {}),
-        fingerprint(args, lora.adapter_sha256(run))) is None
+# collect()'s flags: what decides the rollouts and their states
+ROLLOUT = ("max_new_tokens", "temperature", "stride", "seed")
 
 
 def add_drift_args(p):
@@ -346,17 +331,18 @@ def add_drift_args(p):
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
 
 
-def base_rollouts(model, tok, prompts, train_rows, args):
-    """The base model's rollouts of the prompts and its offpolicy_gap on the train rows, cached
-    in --out's drift_base.json for the runs measured later: a cache serves only rollouts of the
-    same prompts (another --data-dir has others) taken with the same numbers, since another
-    dtype or device rounds differently and the paired estimator would count that as drift."""
-    settings = {k: getattr(args, k) for k in ("model", "prompts", "max_new_tokens", "temperature", "stride", "seed")}
+def base_rollouts(model, tok, prompts, train_rows, out, model_name, rollout):
+    """The base model's rollouts of the prompts (collect with the flags in rollout) and its
+    offpolicy_gap on the train rows, cached in out/drift_base.json for the runs measured
+    later: a cache serves only rollouts of the same prompts (another --data-dir has others)
+    taken with the same numbers, since another dtype or device rounds differently and the
+    paired estimator would count that as drift."""
     weight = model.lm_head.weight
-    settings.update(device=weight.device.type, dtype=str(weight.dtype).removeprefix("torch."),
-                    prompts_sha256=hashlib.sha256("\0".join(prompts).encode()).hexdigest(),
-                    train_sha256=hashlib.sha256(json.dumps(train_rows).encode()).hexdigest())
-    cache_path = os.path.join(args.out, "drift_base.json")
+    settings = dict(model=model_name, prompts=len(prompts), **rollout, device=weight.device.type,
+                    dtype=str(weight.dtype).removeprefix("torch."),
+                    prompts_sha256=provenance.digest(prompts),
+                    train_sha256=provenance.digest(train_rows))
+    cache_path = os.path.join(out, "drift_base.json")
     try:  # a cache: one damaged is made again
         base = M.read_json(cache_path) if os.path.isfile(cache_path) else None
     except M.InputError:
@@ -364,38 +350,46 @@ def base_rollouts(model, tok, prompts, train_rows, args):
     if base is None or base["settings"] != settings or "prompts" not in base:
         lora.set_adapter(model, None)
         model.eval()
-        gold, own = offpolicy_gap(model, tok, train_rows, args.max_new_tokens, args.seed)
-        base = dict(settings=settings, state_nll_gold=gold, state_nll_reference=own, **collect(model, tok, prompts, args))
+        gold, own = offpolicy_gap(model, tok, train_rows, rollout["max_new_tokens"],
+                                  rollout["seed"])
+        base = dict(settings=settings, state_nll_gold=gold, state_nll_reference=own,
+                    **collect(model, tok, prompts, **rollout))
         if not cli.RANK:  # under torchrun, one process writes
-            os.makedirs(args.out, exist_ok=True)
+            os.makedirs(out, exist_ok=True)
             M.write_json(cache_path, base)
     return base
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run folders to compare with the base model")
     cli.add_model_args(p)
-    p.add_argument("--out", default=None, help="the study folder, where the base rollouts are cached (drift_base.json; "
-                                               "default: the folder holding the first run folder)")
+    p.add_argument("--out", default=None,
+                   help="the study folder, where the base rollouts are cached (drift_base.json; "
+                        "default: the folder holding the first run folder)")
     p.add_argument("--save-as", default="drift.json",
-                   help="file name of the result in each run folder (e.g. another name for another --embed)")
+                   help="file name of the result in each run folder (e.g. another name for "
+                        "another --embed)")
     add_drift_args(p)
     args = p.parse_args(argv)
     if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
-        raise M.InputError(f"--save-as {args.save_as!r}: give a file name ending in .json (it is written into each run folder)")
+        raise M.InputError(f"--save-as {args.save_as!r}: give a file name ending in .json (it is "
+                           f"written into each run folder)")
     args.out = args.out or os.path.dirname(os.path.normpath(args.runs[0])) or "."
-    runs.model_and_data_from(args, *args.runs)
+    cli.model_and_data_from(args, *args.runs)
     for run in args.runs:
         runs.check_run_folder(run, args.model)
     print(vars(args))
     model, tok = M.load(args.model, *cli.device_from_args(args))
-    test = data.load_gsm8k("test", args.data_dir)
-    if args.prompts > len(test):  # fewer prompts than asked, silently, and a --prompts in drift.json that was not so
-        raise M.InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} questions; "
-                           f"pass --prompts {len(test)} or fewer")
+    test, train_rows = (data.load_gsm8k(split, args.data_dir) for split in ("test", "train"))
+    if args.prompts > len(test):  # else fewer prompts than asked, and drift.json would say not so
+        raise M.InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} "
+                           f"questions; pass --prompts {len(test)} or fewer")
     prompts = [data.gsm8k_prompt(r["question"]) for r in test[:args.prompts]]
-    base = base_rollouts(model, tok, prompts, data.load_gsm8k("train", args.data_dir)[:args.prompts], args)
+    rollout = {k: getattr(args, k) for k in ROLLOUT}
+    base = base_rollouts(model, tok, prompts, train_rows[:args.prompts], args.out, args.model,
+                         rollout)
     rollouts = full_rollouts(base)
     X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
@@ -404,19 +398,23 @@ def main(argv=None):
     for i, run in enumerate(tqdm(args.runs, desc="drift")):
         lora.load_adapter(model, run, name=f"run{i}")
         model.eval()
-        ours = collect(model, tok, prompts, args)
+        ours = collect(model, tok, prompts, **rollout)
         Y, y_prompts = featurize(model, tok, ours, args.features, args.embed)
-        mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts, y_prompts)
+        mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts,
+                                  y_prompts)
         unpaired, unpaired_p = mmd2_test(X, Y, bandwidth, args.permutations, args.seed)
-        result = dict(mmd2=mmd2, mmd=max(mmd2, 0.0) ** 0.5, p_value=p_value, mmd2_unpaired=unpaired,
-                      p_value_unpaired=unpaired_p, bandwidth=bandwidth, features=args.features,
-                      embed=args.embed, centroid=(X.mean(0) - Y.mean(0)).norm().item(),
+        sha = model.lora_config[f"run{i}"]["sha256"]
+        result = dict(mmd2=mmd2, mmd=max(mmd2, 0.0) ** 0.5, p_value=p_value,
+                      mmd2_unpaired=unpaired, p_value_unpaired=unpaired_p, bandwidth=bandwidth,
+                      features=args.features, embed=args.embed,
+                      centroid=(X.mean(0) - Y.mean(0)).norm().item(),
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
                       kl_to_base=kl_to_base(model, f"run{i}", rollouts, base_states=base_states),
-                      state_nll_reference=base["state_nll_reference"], state_nll_gold=base["state_nll_gold"],
-                      n_states_base=len(X), n_states_run=len(Y), settings=base["settings"],
-                      fingerprint=fingerprint(args, model.lora_config[f"run{i}"]["sha256"]))
+                      state_nll_reference=base["state_nll_reference"],
+                      state_nll_gold=base["state_nll_gold"], n_states_base=len(X),
+                      n_states_run=len(Y), settings=base["settings"],
+                      fingerprint=provenance.fingerprint("drift", vars(args), sha))
         if not cli.RANK:
             M.write_json(os.path.join(run, args.save_as), result)
         print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))

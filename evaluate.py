@@ -11,9 +11,8 @@ Conventions follow lm-evaluation-harness: GSM8K 'Question:/Answer:' prompts, gre
 prompt with, and the table's column) and 5-shot (lm-eval's); MMLU 5-shot with the subject
 header, the prediction is the letter whose ' A'..' D' continuation is most likely;
 TruthfulQA MC1/MC2 with the six-question QA primer and summed log-likelihoods. Every score
-comes with its standard error over the questions as lm-evaluation-harness gives it, and
-forgetting with one that pairs each question with the base model's answer to it. Each
-score records its fingerprint: the model, the adapter and the flags that decide it.
+has its standard error over the questions as lm-evaluation-harness gives it, forgetting one
+that pairs each question with the base's answer, and each its fingerprint (provenance.py).
 """
 import argparse
 import json
@@ -28,12 +27,15 @@ import cli
 import data
 import lora
 import model as M
+import provenance
 import runs
 import train
 from sample import generate, left_pad
 
 TASKS = ("gsm8k", "mmlu", "truthfulqa")
-RETENTION_TASKS = ("truthfulqa", "mmlu")  # the paper averages forgetting over TruthfulQA MC1 and MMLU
+RETENTION_TASKS = ("truthfulqa", "mmlu")  # the paper averages forgetting over these two
+FLAGS = ("tasks", "gsm8k_limit", "gsm8k_fewshot", "samples", "max_new_tokens", "mmlu_limit",
+         "mmlu_shots", "mmlu_scoring", "truthfulqa_limit", "batch_size", "seed")
 
 
 # -----------------------------------------------------------------------------
@@ -52,31 +54,38 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     ctx_ids = tok.encode_batch(contexts)
     cont_ids = [[whole[len(c):] for whole in tok.encode_batch([ctx + o for o in opts])]
                 for ctx, c, opts in zip(contexts, ctx_ids, choices)]
-    order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))  # like lengths share a batch: less padding
-    batches, scores = [order[start:start + batch_size] for start in range(0, len(order), batch_size)], []
-    for batch in tqdm(batches[slice(*cli.split(len(batches)))], desc=desc, leave=False):  # torchrun: a share
+    # like lengths share a batch: less padding
+    order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+    scores, mine = [], batches[slice(*cli.split(len(batches)))]  # torchrun: this process's share
+    for batch in tqdm(mine, desc=desc, leave=False):
         conts = [c for i in batch for c in cont_ids[i]]
         owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
         # what the batch's contexts share at their start (TruthfulQA's primer) runs once, one row
         # copied to every context's; the rest of each runs after it, left-padded
         shared = min(train.common_length(ctx_ids[batch[0]], ctx_ids[i]) for i in batch)
-        shared = min([shared] + [len(ctx_ids[i]) - 1 for i in batch]) if shared >= train.SHARED_MIN else 0
+        shared = min([shared] + [len(ctx_ids[i]) - 1 for i in batch])
+        shared = shared if shared >= train.SHARED_MIN else 0
         ids, mask = left_pad([ctx_ids[i][shared:] for i in batch], tok.pad_id, device)
         L = max(map(len, conts))
-        cache = model.new_cache(1 if shared else len(batch), shared + ids.shape[1] + L) if L > 1 or shared else None
+        rows = 1 if shared else len(batch)
+        cache = model.new_cache(rows, shared + ids.shape[1] + L) if L > 1 or shared else None
         if shared:
             model(torch.tensor([ctx_ids[batch[0]][:shared]], device=device), cache=cache)
             cache.select_rows(torch.zeros(len(batch), dtype=torch.long, device=device))
             mask = torch.cat([mask.new_ones(len(batch), shared), mask], 1)
         last = model(ids, attention_mask=mask, cache=cache, hidden_only=True)[:, -1]  # (B, hidden)
         if L == 1:  # MMLU's ' A'..' D': the last state scores them
-            sums = model.token_logprobs(last[owner], torch.tensor([c[0] for c in conts], device=device)).tolist()
+            first = torch.tensor([c[0] for c in conts], device=device)
+            sums = model.token_logprobs(last[owner], first).tolist()
         else:
             cache.select_rows(owner)  # each context's keys and values copied to its choices' rows
             c_ids = torch.tensor([c + [tok.pad_id] * (L - len(c)) for c in conts], device=device)
             c_mask = torch.tensor([[1] * len(c) + [0] * (L - len(c)) for c in conts], device=device)
-            hidden = model(c_ids, attention_mask=torch.cat([mask[owner], c_mask], 1), cache=cache, hidden_only=True)
-            states = torch.cat([last[owner][:, None], hidden[:, :-1]], 1)  # the state before each continuation token
+            hidden = model(c_ids, attention_mask=torch.cat([mask[owner], c_mask], 1), cache=cache,
+                           hidden_only=True)
+            # the state before each continuation token
+            states = torch.cat([last[owner][:, None], hidden[:, :-1]], 1)
             keep = c_mask.bool()  # right padding: after every real token, never read by one
             logp = model.token_logprobs(states[keep], c_ids[keep])
             rows = torch.arange(len(conts), device=device)[:, None].expand_as(keep)[keep]
@@ -89,40 +98,39 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     return results
 
 
-def complete(model, tok, prompts, args, desc, n=1, temperature=0.0, seed=None):
+def complete(model, tok, prompts, batch_size, max_new_tokens, desc, n=1, temperature=0.0,
+             seed=None):
     """n completions of each prompt (a list of n texts a prompt), in batches of like lengths;
     seeded, batch b's draw from seed + b * batch_size * n on, as under torchrun."""
-    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths share a batch
-    batches = [order[start:start + args.batch_size] for start in range(0, len(order), args.batch_size)]
+    order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths together
+    batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     texts = []
-    for b in tqdm(range(*cli.split(len(batches))), desc=desc, leave=False):  # torchrun: this process's share
-        outs = generate(model, tok, [prompts[i] for i in batches[b]], n=n, max_new_tokens=args.max_new_tokens,
-                        temperature=temperature, stop=data.GSM8K_STOP,
-                        seed=None if seed is None else seed + b * args.batch_size * n)
+    for b in tqdm(range(*cli.split(len(batches))), desc=desc, leave=False):  # torchrun: a share
+        first = None if seed is None else seed + b * batch_size * n
+        outs = generate(model, tok, [prompts[i] for i in batches[b]], n=n, seed=first,
+                        max_new_tokens=max_new_tokens, temperature=temperature,
+                        stop=data.GSM8K_STOP)
         texts.append([r.text for r in outs])
     completions = {i: outs[k * n:(k + 1) * n]  # under torchrun, every process's batches
                    for batch, outs in zip(batches, cli.joined(texts)) for k, i in enumerate(batch)}
     return [completions[i] for i in range(len(prompts))]
 
 
-def gsm8k_rows(args):
-    return data.load_gsm8k("test", args.data_dir)[:args.gsm8k_limit or None]  # 0: all
-
-
-def eval_gsm8k(model, tok, args, shots):
-    """Greedy GSM8K accuracy with `shots` solved train examples before each question: 0 is the
-    format RL, OPD and drift prompt with (the states the methods train on), 5 lm-eval's."""
-    rows, train = gsm8k_rows(args), data.load_gsm8k("train", args.data_dir)
-    if shots > len(train):  # slicing would give fewer shots than asked, silently
-        raise M.InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train)} examples; pass "
-                           f"--gsm8k-fewshot {len(train)} or fewer (lm-evaluation-harness uses 5)")
-    prompts = data.gsm8k_fewshot_prompts([r["question"] for r in rows], train, shots)
-    completions = complete(model, tok, prompts, args, f"gsm8k {shots}-shot")
+def eval_gsm8k(model, tok, rows, train_rows, shots, batch_size, max_new_tokens):
+    """Greedy GSM8K accuracy on rows with `shots` solved train examples before each question:
+    0 is the format RL, OPD and drift prompt with (the states the methods train on), 5
+    lm-eval's."""
+    if shots > len(train_rows):  # slicing would give fewer shots than asked, silently
+        raise M.InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train_rows)} "
+                           f"examples; pass --gsm8k-fewshot {len(train_rows)} or fewer")
+    prompts = data.gsm8k_fewshot_prompts([r["question"] for r in rows], train_rows, shots)
+    completions = complete(model, tok, prompts, batch_size, max_new_tokens, f"gsm8k {shots}-shot")
     samples = []
     for i, (row, [text]) in enumerate(zip(rows, completions)):
-        strict, flexible = data.extract_answer(text, "strict"), data.extract_answer(text, "flexible")
-        samples.append(dict(task=gsm8k_key(shots), index=i, prompt=prompts[i], completion=text, gold=row["gold"],
-                            strict=strict, flexible=flexible, correct=data.same_number(flexible, row["gold"]),
+        strict, flexible = (data.extract_answer(text, way) for way in ("strict", "flexible"))
+        samples.append(dict(task=gsm8k_key(shots), index=i, prompt=prompts[i], completion=text,
+                            gold=row["gold"], strict=strict, flexible=flexible,
+                            correct=data.same_number(flexible, row["gold"]),
                             strict_correct=data.same_number(strict, row["gold"])))
     return dict(**mean_and_stderr("flexible", [s["correct"] for s in samples]),
                 **mean_and_stderr("strict", [s["strict_correct"] for s in samples]),
@@ -138,18 +146,21 @@ def pass_at_k(n, c, k):
 SAMPLE_SEED = 0  # the draws of --samples: the same for every model, so that their pass@k compare
 
 
-def eval_gsm8k_samples(model, tok, args):
-    """--samples K temperature-1 completions of each 0-shot GSM8K question: pass@k for every k
-    up to K, and the mean accuracy of the samples (pass@1), each right by the flexible answer."""
-    rows, K = gsm8k_rows(args), args.samples
+def eval_gsm8k_samples(model, tok, rows, K, batch_size, max_new_tokens):
+    """--samples K temperature-1 completions of each 0-shot GSM8K question of rows: pass@k for
+    every k up to K, and the samples' mean accuracy (pass@1), each right by the flexible answer."""
     prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
-    completions = complete(model, tok, prompts, args, f"gsm8k {K} samples", K, 1.0, SAMPLE_SEED)
-    samples = [dict(task="gsm8k_samples", index=i, prompt=prompts[i], completions=texts, gold=row["gold"],
-                    correct=[data.same_number(data.extract_answer(t, "flexible"), row["gold"]) for t in texts])
+    completions = complete(model, tok, prompts, batch_size, max_new_tokens, f"gsm8k {K} samples",
+                           K, 1.0, SAMPLE_SEED)
+    samples = [dict(task="gsm8k_samples", index=i, prompt=prompts[i], completions=texts,
+                    gold=row["gold"], correct=[data.same_number(data.extract_answer(t, "flexible"),
+                                                                row["gold"]) for t in texts])
                for i, (row, texts) in enumerate(zip(rows, completions))]
     right = [sum(s["correct"]) for s in samples]
+    passes = {f"pass@{k}": sum(pass_at_k(K, c, k) for c in right) / len(right)
+              for k in range(1, K + 1)}
     return dict(**mean_and_stderr("mean", [c / K for c in right]), n=len(samples), samples=K,
-                **{f"pass@{k}": sum(pass_at_k(K, c, k) for c in right) / len(right) for k in range(1, K + 1)}), samples
+                **passes), samples
 
 
 def gsm8k_key(shots):
@@ -157,23 +168,26 @@ def gsm8k_key(shots):
     return "gsm8k" if shots == 0 else "gsm8k_fewshot"
 
 
-def eval_mmlu(model, tok, args):
-    dev, test = data.load_mmlu("dev", args.data_dir), data.load_mmlu("test", args.data_dir)
-    rows = data.mmlu_subset(test, args.mmlu_limit, seed=args.seed)
+def eval_mmlu(model, tok, data_dir, limit, shots, scoring, seed, batch_size):
+    """MMLU accuracy on `limit` test questions (0: all) drawn by seed, `shots` dev examples of
+    the subject before each, scored by each choice's letter or text."""
+    dev, test = data.load_mmlu("dev", data_dir), data.load_mmlu("test", data_dir)
+    rows = data.mmlu_subset(test, limit, seed=seed)
     fewest, subject = min((len(dev.get(r["subject"], [])), r["subject"]) for r in rows)
-    if args.mmlu_shots > fewest:  # slicing would give that subject fewer shots than asked, silently
-        raise M.InputError(f"--mmlu-shots {args.mmlu_shots}: the dev split holds {fewest} examples of {subject}; "
-                           f"pass --mmlu-shots {fewest} or fewer")
-    prompts = [data.mmlu_prompt(r, dev.get(r["subject"], [])[:args.mmlu_shots]) for r in rows]
-    lls = score_choices(model, tok, prompts, [data.mmlu_continuations(r, args.mmlu_scoring) for r in rows],
-                        args.batch_size, desc="mmlu")
+    if shots > fewest:  # slicing would give that subject fewer shots than asked, silently
+        raise M.InputError(f"--mmlu-shots {shots}: the dev split holds {fewest} examples of "
+                           f"{subject}; pass --mmlu-shots {fewest} or fewer")
+    prompts = [data.mmlu_prompt(r, dev.get(r["subject"], [])[:shots]) for r in rows]
+    choices = [data.mmlu_continuations(r, scoring) for r in rows]
+    lls = score_choices(model, tok, prompts, choices, batch_size, desc="mmlu")
     samples = []
     for i, (row, ll) in enumerate(zip(rows, lls)):
         pred = max(range(4), key=lambda c: ll[c])
-        samples.append(dict(task="mmlu", index=i, subject=row["subject"], prompt=prompts[i], loglikelihoods=ll,
-                            prediction=pred, answer=row["answer"], correct=pred == row["answer"]))
+        samples.append(dict(task="mmlu", index=i, subject=row["subject"], prompt=prompts[i],
+                            loglikelihoods=ll, prediction=pred, answer=row["answer"],
+                            correct=pred == row["answer"]))
     return dict(**mean_and_stderr("acc", [s["correct"] for s in samples]), n=len(samples),
-                scoring=args.mmlu_scoring), samples
+                scoring=scoring), samples
 
 
 def mc2_score(lls, labels):
@@ -185,23 +199,24 @@ def mc2_score(lls, labels):
     return sum(pi for pi, lab in zip(p, labels) if lab) / sum(p)
 
 
-def eval_truthfulqa(model, tok, args):
-    rows = data.load_truthfulqa(args.data_dir)
-    rows = rows[:args.truthfulqa_limit] if args.truthfulqa_limit > 0 else rows
+def eval_truthfulqa(model, tok, data_dir, limit, batch_size):
+    """TruthfulQA MC1 and MC2 on the first `limit` questions (0: all)."""
+    rows = data.load_truthfulqa(data_dir)[:limit or None]
     prompts = [data.truthfulqa_prompt(r) for r in rows]
-    # MC2's targets repeat MC1's (TruthfulQA's own files do so too): every choice of a question scored once
+    # MC2's targets repeat MC1's (as TruthfulQA's own files do): each choice is scored once
     union = [list(dict.fromkeys([*r["mc1_targets"], *r["mc2_targets"]])) for r in rows]
-    scored = [dict(zip(u, ll)) for u, ll in zip(union, score_choices(
-        model, tok, prompts, [[f" {c}" for c in u] for u in union], args.batch_size, "truthfulqa"))]
+    lls = score_choices(model, tok, prompts, [[f" {c}" for c in u] for u in union], batch_size,
+                        "truthfulqa")
+    scored = [dict(zip(u, ll)) for u, ll in zip(union, lls)]
     mc1 = [[s[c] for c in r["mc1_targets"]] for s, r in zip(scored, rows)]
     mc2 = [[s[c] for c in r["mc2_targets"]] for s, r in zip(scored, rows)]
     samples = []
     for i, row in enumerate(rows):
         labels1, labels2 = list(row["mc1_targets"].values()), list(row["mc2_targets"].values())
         pred = max(range(len(labels1)), key=lambda c: mc1[i][c])
-        samples.append(dict(task="truthfulqa", index=i, prompt=prompts[i], mc1_loglikelihoods=mc1[i],
-                            mc2_loglikelihoods=mc2[i], prediction=pred, correct=bool(labels1[pred]),
-                            mc2=mc2_score(mc2[i], labels2)))
+        samples.append(dict(task="truthfulqa", index=i, prompt=prompts[i],
+                            mc1_loglikelihoods=mc1[i], mc2_loglikelihoods=mc2[i], prediction=pred,
+                            correct=bool(labels1[pred]), mc2=mc2_score(mc2[i], labels2)))
     return dict(**mean_and_stderr("mc1", [s["correct"] for s in samples]),
                 **mean_and_stderr("mc2", [s["mc2"] for s in samples]), n=len(samples)), samples
 
@@ -220,38 +235,11 @@ def mean_and_stderr(name, values):
     return {name: sum(values) / len(values), name + "_stderr": standard_error(values)}
 
 
-# the flags that decide the questions and prompts of each eval.json column: with --mmlu-limit 0
-# every MMLU question is asked, whichever the seed
-COLUMN_FLAGS = {"gsm8k": ("gsm8k_limit", "max_new_tokens"), "gsm8k_fewshot": ("gsm8k_limit", "gsm8k_fewshot",
-                "max_new_tokens"), "gsm8k_samples": ("gsm8k_limit", "max_new_tokens", "samples"),
-                "mmlu": ("mmlu_limit", "mmlu_shots", "mmlu_scoring", "seed"), "truthfulqa": ("truthfulqa_limit",)}
-
-
-def fingerprint(args, column, adapter_sha256=None):
-    """What decides a column's number: the model, the adapter (None for the base) and the
-    column's flags. Two numbers compare only where their fingerprints agree but for the
-    adapter (results.check_fingerprints), and a result is current only where they agree."""
-    flags = [f for f in COLUMN_FLAGS[column] if not (f == "seed" and args.mmlu_limit == 0)]
-    return dict(model=runs.model_identity(args.model), adapter_sha256=adapter_sha256,
-                **{f: getattr(args, f) for f in flags})
-
-
-def columns(args):
-    """The eval.json columns that evaluate.py's flags ask for."""
-    tasks = args.tasks.split(",")
-    gsm8k = ["gsm8k"] + ["gsm8k_fewshot"] * (args.gsm8k_fewshot > 0) + ["gsm8k_samples"] * (args.samples > 0)
-    return [k for t in tasks for k in (gsm8k if t == "gsm8k" else [t])]
-
-
-def done(folder, args):
-    """Whether folder's eval.json holds every column args ask for, measured with their flags on
-    the adapter folder holds now (reproduce.py evaluates again what is not)."""
-    path = os.path.join(folder, "eval.json")
-    if not os.path.isfile(path):
-        return False
-    result, sha = M.read_json(path), lora.adapter_sha256(folder)  # None for the base's folder
-    return all(runs.first_difference(result.get(k, {}).get("fingerprint", {}), fingerprint(args, k, sha)) is None
-               for k in columns(args))
+def columns(settings):
+    """The eval.json columns that evaluate.py's flags ask for (each a kind of provenance.FLAGS)."""
+    gsm8k = ["gsm8k"] + ["gsm8k_fewshot"] * (settings["gsm8k_fewshot"] > 0)
+    gsm8k += ["gsm8k_samples"] * (settings["samples"] > 0)
+    return [k for t in settings["tasks"].split(",") for k in (gsm8k if t == "gsm8k" else [t])]
 
 
 def read_samples(folder):
@@ -274,20 +262,16 @@ def paired_stderr(base_samples, post_samples, base_folder):
         if not base or not post:
             continue
         if base.keys() != post.keys() or any(base[i]["prompt"] != post[i]["prompt"] for i in post):
-            raise M.InputError(f"the base's answers in {base_folder} are to other {task} questions than this "
-                               f"evaluation's; evaluate 'base' again with this evaluation's --data-dir and flags")
-        out[task] = standard_error([int(base[i]["correct"]) - int(post[i]["correct"]) for i in sorted(post)])
+            raise M.InputError(f"the base's answers in {base_folder} are to other {task} questions "
+                               f"than this evaluation's; evaluate 'base' again with its flags")
+        out[task] = standard_error([int(base[i]["correct"]) - int(post[i]["correct"])
+                                    for i in sorted(post)])
     return out
 
 
 def retention_scores(result):
     """The two retention numbers the paper averages: TruthfulQA MC1 and MMLU accuracy."""
-    out = {}
-    if "truthfulqa" in result:
-        out["truthfulqa"] = result["truthfulqa"]["mc1"]
-    if "mmlu" in result:
-        out["mmlu"] = result["mmlu"]["acc"]
-    return out
+    return {t: result[t][k] for t, k in (("truthfulqa", "mc1"), ("mmlu", "acc")) if t in result}
 
 
 def retention(base, post, stderr=None):
@@ -296,8 +280,10 @@ def retention(base, post, stderr=None):
     (paired_stderr) also the mean's."""
     tasks = [t for t in RETENTION_TASKS if t in base and t in post]
     # a base score of zero has no ratio: None (JSON null) rather than a NaN
-    per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else None) for t in tasks}
-    out = dict(per_task=per, base={t: base[t] for t in tasks})  # what it was measured against (collect_runs)
+    per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else None)
+           for t in tasks}
+    # base: what it was measured against (results.collect_runs)
+    out = dict(per_task=per, base={t: base[t] for t in tasks})
     if tasks:
         out["forgetting"] = sum(per[t]["forgetting"] for t in tasks) / len(tasks)
         ratios = [per[t]["retention"] for t in tasks]
@@ -317,8 +303,8 @@ def task_list(text):
     twice runs once."""
     unknown = [t for t in text.split(",") if t not in TASKS]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown task {unknown[0]!r} in {text!r}; name tasks from {','.join(TASKS)}, "
-                                         f"separated by commas")
+        raise argparse.ArgumentTypeError(f"unknown task {unknown[0]!r} in {text!r}; name tasks "
+                                         f"from {','.join(TASKS)}, separated by commas")
     return ",".join(dict.fromkeys(text.split(",")))
 
 
@@ -328,38 +314,54 @@ def add_eval_args(p):
     p.add_argument("--gsm8k-limit", type=cli.number(int, 0), default=500,
                    help="first N GSM8K test questions (0 = all 1,319)")
     p.add_argument("--gsm8k-fewshot", type=cli.number(int, 0), default=5,
-                   help="also score GSM8K with this many solved train examples before each question, as "
-                        "lm-evaluation-harness does (0 = only the 0-shot score, the format the methods train on)")
+                   help="also score GSM8K with this many solved train examples before each "
+                        "question, as lm-evaluation-harness does (0 = only the 0-shot score, the "
+                        "format the methods train on)")
     p.add_argument("--samples", type=cli.number(int, 0), default=0,
-                   help="also draw this many temperature-1 completions of each 0-shot GSM8K question: pass@k for "
-                        "every k up to it (Chen et al. 2021's unbiased estimator) and their mean accuracy")
-    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="GSM8K generation budget")
+                   help="also draw this many temperature-1 completions of each 0-shot GSM8K "
+                        "question: pass@k for every k up to it (Chen et al. 2021's unbiased "
+                        "estimator) and their mean accuracy")
+    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256,
+                   help="GSM8K generation budget")
     p.add_argument("--mmlu-limit", type=cli.number(int, 0), default=500,
                    help="MMLU test questions, stratified over subjects (0 = all 14,042)")
-    p.add_argument("--mmlu-shots", type=cli.number(int, 0), default=5, help="dev examples per subject")
+    p.add_argument("--mmlu-shots", type=cli.number(int, 0), default=5,
+                   help="dev examples per subject")
     p.add_argument("--mmlu-scoring", choices=["letter", "text"], default="letter",
-                   help="score ' A'..' D' (lm-eval mmlu) or each choice's own text (lm-eval continuation variant)")
+                   help="score ' A'..' D' (lm-eval mmlu) or each choice's own text (lm-eval "
+                        "continuation variant)")
     p.add_argument("--truthfulqa-limit", type=cli.number(int, 0), default=0,
                    help="first N TruthfulQA questions (0 = all 817)")
     p.add_argument("--batch-size", type=cli.number(int, 1), default=16, help="prompts per batch")
     p.add_argument("--seed", type=int, default=1234, help="seed of the MMLU subset")
 
 
-def evaluate(model, tok, args):
-    """Run the selected tasks on whatever adapter is active; returns (results, samples)."""
-    results, samples = {}, []
-    for task in args.tasks.split(","):
+def evaluate(model, tok, data_dir, tasks, gsm8k_limit, gsm8k_fewshot, samples, max_new_tokens,
+             mmlu_limit, mmlu_shots, mmlu_scoring, truthfulqa_limit, batch_size, seed):
+    """Run the tasks on whatever adapter is active, with the flags add_eval_args gives (FLAGS);
+    returns (results, samples)."""
+    results, drawn = {}, []
+    for task in tasks.split(","):
         if task == "gsm8k":
-            for shots in [0] + [args.gsm8k_fewshot] * (args.gsm8k_fewshot > 0):
-                results[gsm8k_key(shots)], part = eval_gsm8k(model, tok, args, shots)
-                samples += part
-            if args.samples:
-                results["gsm8k_samples"], part = eval_gsm8k_samples(model, tok, args)
-                samples += part
+            rows = data.load_gsm8k("test", data_dir)[:gsm8k_limit or None]
+            train_rows = data.load_gsm8k("train", data_dir)
+            for shots in [0] + [gsm8k_fewshot] * (gsm8k_fewshot > 0):
+                results[gsm8k_key(shots)], part = eval_gsm8k(model, tok, rows, train_rows, shots,
+                                                             batch_size, max_new_tokens)
+                drawn += part
+            if samples:
+                results["gsm8k_samples"], part = eval_gsm8k_samples(model, tok, rows, samples,
+                                                                    batch_size, max_new_tokens)
+                drawn += part
+        elif task == "mmlu":
+            results[task], part = eval_mmlu(model, tok, data_dir, mmlu_limit, mmlu_shots,
+                                            mmlu_scoring, seed, batch_size)
+            drawn += part
         else:
-            results[task], part = {"mmlu": eval_mmlu, "truthfulqa": eval_truthfulqa}[task](model, tok, args)
-            samples += part
-    return results, samples
+            results[task], part = eval_truthfulqa(model, tok, data_dir, truthfulqa_limit,
+                                                  batch_size)
+            drawn += part
+    return results, drawn
 
 
 def write_eval(folder, results, samples):
@@ -369,59 +371,57 @@ def write_eval(folder, results, samples):
                    lambda p: open(p, "w").write("".join(json.dumps(s) + "\n" for s in samples)))
 
 
-def with_other_tasks(folder, scores, samples, args, sha):
+def with_other_tasks(folder, scores, samples, model, sha):
     """scores and samples, with the columns (and their samples) that folder's eval.json holds
     of tasks this evaluation did not run, measured on the same model and adapter: evaluating
     one task again leaves the other tasks' numbers in place."""
-    path, model = os.path.join(folder, "eval.json"), runs.model_identity(args.model)
+    path, model = os.path.join(folder, "eval.json"), provenance.model_identity(model)
     old = M.read_json(path) if os.path.isfile(path) else {}
-    kept = {k: v for k, v in old.items() if k not in scores and isinstance(v, dict) and "fingerprint" in v
-            and (v["fingerprint"].get("model"), v["fingerprint"].get("adapter_sha256")) == (model, sha)}
+    prints = {k: v["fingerprint"] for k, v in old.items()
+              if k not in scores and isinstance(v, dict) and "fingerprint" in v}
+    kept = {k: old[k] for k, v in prints.items()
+            if (v.get("model"), v.get("adapter_sha256")) == (model, sha)}
     if not kept:
         return scores, samples
-    return {**kept, **scores}, [s for s in read_samples(folder) or [] if s["task"] in kept] + samples
-
-
-def check_base(base_path, args):
-    """Stop unless the base's eval.json in base_path scored each retention task as args would,
-    on the same model: forgetting compares a run with its base on the very same questions."""
-    base = M.read_json(base_path)
-    for task in (t for t in RETENTION_TASKS if t in base and t in columns(args)):
-        difference = runs.first_difference(base[task].get("fingerprint", {}), fingerprint(args, task))
-        if difference:
-            key, theirs, ours = difference
-            raise M.InputError(f"{base_path} scored {task} with {key} {theirs}, this evaluation with {ours}; forgetting "
-                               f"compares a run with its base on the same questions: pass the base's flags, or "
-                               f"evaluate 'base' again first")
+    before = [s for s in read_samples(folder) or [] if s["task"] in kept]
+    return {**kept, **scores}, before + samples
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="*", help="'base' and/or run folders (base model + that run's adapter)")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="*",
+                   help="'base' and/or run folders (base model + that run's adapter)")
     cli.add_model_args(p)
-    p.add_argument("--out", default=None, help="the study folder, where the base model's eval.json is (default: the "
-                                               "folder holding the first run folder given, else out)")
+    p.add_argument("--out", default=None,
+                   help="the study folder, where the base model's eval.json is (default: the "
+                        "folder holding the first run folder given, else out)")
     add_eval_args(p)
     args = p.parse_args(argv)
     if not args.runs:
-        p.error("name 'base' and/or run folders to evaluate (the table of a study: python results.py ROOT)")
-    args.runs = list(dict.fromkeys(args.runs))  # a run named twice (overlapping globs) is evaluated once
+        p.error("name 'base' and/or run folders to evaluate (the table of a study: python "
+                "results.py ROOT)")
+    args.runs = list(dict.fromkeys(args.runs))  # a run named twice (overlapping globs): once
     folders = [run for run in args.runs if run != "base"]
-    args.out = args.out or (os.path.dirname(os.path.normpath(folders[0])) or "." if folders else "out")
-    runs.model_and_data_from(args, *folders)
+    args.out = args.out or (os.path.dirname(os.path.normpath(folders[0])) or "." if folders
+                            else "out")
+    cli.model_and_data_from(args, *folders)
     for run in folders:
         runs.check_run_folder(run, args.model, also=", or 'base'")
     if "base" in args.runs and os.path.isfile(os.path.join(args.out, "adapter_config.json")):
-        raise M.InputError(f"--out {args.out} is a run folder: the base's eval.json would replace the run's; pass the "
-                           f"folder that holds the runs (out, say)")
+        raise M.InputError(f"--out {args.out} is a run folder: the base's eval.json would replace "
+                           f"the run's; pass the folder that holds the runs (out, say)")
     base_path = os.path.join(args.out, "eval.json")
-    if args.runs[0] != "base" and os.path.isfile(base_path):  # else the base is evaluated anew, with these flags
-        check_base(base_path, args)
+    if args.runs[0] != "base" and os.path.isfile(base_path):  # else the base is evaluated anew
+        retained = [t for t in RETENTION_TASKS if t in columns(vars(args))]
+        provenance.check_measured_alike(base_path, retained, vars(args))
     print(vars(args))
     if "base" not in args.runs and not os.path.isfile(base_path):
-        print(f"note: no base evaluation in {args.out} ({base_path}), so no forgetting or retention for these runs; "
-              f"evaluate 'base' there first, or pass the --out that holds it")
+        print(f"note: no base evaluation in {args.out} ({base_path}), so no forgetting or "
+              f"retention for these runs; evaluate 'base' there first, or pass the --out that "
+              f"holds it")
     device, dtype = cli.device_from_args(args)
+    flags = {k: getattr(args, k) for k in FLAGS}
     # held while evaluated: a second evaluation would mix its eval.json with this one's samples,
     # and a run resumed meanwhile would leave these scores of an adapter it no longer holds
     with runs.holding(*[args.out if run == "base" else run for run in args.runs], instead=""):
@@ -432,13 +432,14 @@ def main(argv=None):
             if run != "base":
                 lora.load_adapter(model, run, name=f"run{i}")
                 folder, sha = run, model.lora_config[f"run{i}"]["sha256"]
-            scores, samples = evaluate(model, tok, args)
+            scores, samples = evaluate(model, tok, args.data_dir, **flags)
             for column, result in scores.items():  # what each number is of
-                result["fingerprint"] = fingerprint(args, column, sha)
-            scores, samples = with_other_tasks(folder, scores, samples, args, sha)
+                result["fingerprint"] = provenance.fingerprint(column, vars(args), sha)
+            scores, samples = with_other_tasks(folder, scores, samples, args.model, sha)
             if run != "base" and os.path.isfile(base_path):
-                scores["retention"] = retention(retention_scores(M.read_json(base_path)), retention_scores(scores),
-                                                paired_stderr(read_samples(args.out), samples, args.out))
+                base = retention_scores(M.read_json(base_path))
+                scores["retention"] = retention(base, retention_scores(scores), paired_stderr(
+                    read_samples(args.out), samples, args.out))
             scores["settings"] = {k: v for k, v in vars(args).items() if k != "runs"}
             if not cli.RANK:  # under torchrun, one process writes
                 write_eval(folder, scores, samples)

@@ -40,6 +40,7 @@ import cli
 import data
 import lora
 import model as M
+import provenance
 import rl
 import runs
 import train
@@ -74,7 +75,7 @@ def load_teacher(model, tok, args):
         runs.check_run_folder(args.teacher, args.model, also=", or a model folder (config.json)")
         lora.load_adapter(model, args.teacher, name="teacher", activate=False)
         return model, "teacher"
-    if runs.same_model(args.teacher, args.model):  # the base itself, however spelt: no second copy
+    if provenance.same_model(args.teacher, args.model):  # the base itself, however spelt: no second copy
         return model, None
     folder = M.model_folder(args.teacher, "--teacher")
     # token ids pass between the two models both ways, and their logits are compared column by column
@@ -137,10 +138,10 @@ def where_states_lie(model, teacher, sequences, starts, sampled, args, pad_id):
 def main(argv=None):
     args = parse_args(argv)
     weights = data.state_mixture(args.state_source)
-    device, dtype = runs.resolve(args, args.out if args.resume else None, args.teacher)
+    device, dtype = cli.resolve(args, args.out if args.resume else None, args.teacher)
     model, tok = M.load(args.model, device, dtype)
     teacher = load_teacher(model, tok, args)  # (model, adapter): on the student's base where it can be
-    run = runs.RunFolder(args.out, args)
+    run = runs.RunFolder(args.out, vars(args))
     optimizer = train.adapter_and_optimizer(model, args)
     rows = data.load_gsm8k("train", args.data_dir)
     end = min(args.steps, args.max_steps) if args.max_steps else args.steps

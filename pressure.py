@@ -17,6 +17,7 @@ import statistics
 import cli
 import lora
 import model as M
+import provenance
 import results
 import runs
 
@@ -47,7 +48,7 @@ def degenerate(folder):
 
 def snapshots(folder):
     """A finished run's snapshot folders before its last step (the last is the run itself)."""
-    root, last = os.path.join(folder, "snapshots"), runs.read_run_json(folder)["finished_steps"]
+    root, last = os.path.join(folder, "snapshots"), provenance.run_record(folder)["finished_steps"]
     return [os.path.join(root, s) for s in sorted(os.listdir(root)) if s != f"step-{last:06d}"] if os.path.isdir(
         root) else []
 
@@ -74,7 +75,7 @@ def collect(root):
         if parsed is None:
             continue
         folder = found[row["run"]]["folder"]
-        final = dict(step=runs.read_run_json(folder)["finished_steps"], norm=row["update_norm"],
+        final = dict(step=provenance.run_record(folder)["finished_steps"], norm=row["update_norm"],
                      forgetting=row["forgetting"], gain=row["gsm8k"] - base["gsm8k"]["flexible"])
         bad = degenerate(folder)
         for p in snapshot_points(folder, base["gsm8k"]["flexible"]) + [final]:

@@ -36,6 +36,7 @@ import evaluate
 import model as M
 import opd
 import pressure
+import provenance
 import results
 import rl
 import runs
@@ -168,24 +169,26 @@ def build_smoke_model(folder, data_dir):
 
 
 class Stages:
-    """Runs named stages once each, timing them into timings.json."""
+    """Runs named stages once each, timing them into timings.json. A stage is (name, done,
+    run): done() is asked just before it, so that it sees what the stages before it made."""
 
     def __init__(self, out):
         self.path = os.path.join(out, "timings.json")
         self.timings = json.load(open(self.path)) if os.path.isfile(self.path) else {}
         self.ran = 0
 
-    def run(self, name, done, fn):
-        if done:
-            print(f"[done already] {name}")
-            return
-        print(f"[running] {name}")
-        t0 = time.time()
-        fn()
-        self.timings[name] = round(time.time() - t0, 1)
-        self.ran += 1
-        M.write_json(self.path, self.timings)
-        print(f"[finished] {name} in {self.timings[name]:.1f}s")
+    def run(self, stages):
+        for name, done, run in stages:
+            if done():
+                print(f"[done already] {name}")
+                continue
+            print(f"[running] {name}")
+            t0 = time.time()
+            run()
+            self.timings[name] = round(time.time() - t0, 1)
+            self.ran += 1
+            M.write_json(self.path, self.timings)
+            print(f"[finished] {name} in {self.timings[name]:.1f}s")
 
 
 def main(argv=None):
@@ -210,94 +213,118 @@ def main(argv=None):
     if args.study == "pressure" and args.preset not in PRESSURE:
         raise runs.InputError(f"--study pressure is a toy study: pass --preset "
                               f"{' or '.join(PRESSURE)}")
-    preset = PRESETS[args.preset]
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
     out = os.path.join(out, "pressure") if args.study == "pressure" and not args.out else out
     # held: a second reproduce.py in the same folder would train the same runs at once
     with runs.holding(out):
-        study(args, preset, out)
+        study(args, PRESETS[args.preset], out)
+
+
+def base_model(args, preset, out):
+    """(model, data folder) of the study: the toy's world and its pretrained base (built, or
+    reused), the preset's model, or a tiny random one (smoke)."""
+    if preset["model"] == "toy":
+        t0 = time.time()
+        toy_args = parsed(cli.add_toy_args, preset["toy"])
+        data_dir, model = toy.pretrain(out, toy_args, None if args.pretrain else toy.SHIPPED)
+        print(f"toy world and base model ready ({time.time() - t0:.0f}s)")
+        return args.model or model, data_dir
+    data_dir = data.resolve_data_dir(args.data_dir)
+    built = args.model or preset["model"]
+    return built or build_smoke_model(os.path.join(out, "base-model"), data_dir), data_dir
 
 
 def study(args, preset, out):
-    """Every stage of the preset in out, each skipped when its outputs are there (main)."""
+    """The stages of the preset in out, in order, each skipped where its outputs are there:
+    the base's evaluation, each condition's training and evaluation, drift; then the table."""
     print(vars(args))
     if args.preset == "paper" and cli.resolve_device(args.device)[0].type == "cpu":
-        print("note: the paper preset is meant for a GPU, and would take days on a CPU; --preset toy is the study at "
-              "CPU scale")
-    if preset["model"] == "toy":  # the world is the dataset: build (or reuse) it and its pretrained base
-        toy_args = argparse.ArgumentParser()
-        cli.add_toy_args(toy_args)
-        t0 = time.time()
-        data_dir, model = toy.pretrain(out, toy_args.parse_args(preset["toy"]), None if args.pretrain else toy.SHIPPED)
-        print(f"toy world and base model ready ({time.time() - t0:.0f}s)")
-        model = args.model or model
-    else:
-        data_dir = data.resolve_data_dir(args.data_dir)
-        model = args.model or preset["model"] or build_smoke_model(os.path.join(out, "base-model"), data_dir)
-    common = ["--model", model, "--data-dir", data_dir]
-    device = [f for k in ("device", "dtype") if getattr(args, k) for f in (f"--{k}", getattr(args, k))]
-    stages = Stages(out)
-    # the preset's evaluation and drift flags: a result measured otherwise (by hand) is measured again
+        print("note: the paper preset is meant for a GPU, and would take days on a CPU; --preset "
+              "toy is the study at CPU scale")
+    model, data_dir = base_model(args, preset, out)
+    device = [f for k in ("device", "dtype") if getattr(args, k)
+              for f in (f"--{k}", getattr(args, k))]
+    common = ["--model", model, "--data-dir", data_dir, *device]
+    conditions = {}
+    for seed in range(args.seeds):
+        conditions.update(runs_of(out, seed) if args.study == "main" else
+                          pressure_runs(out, seed, args.preset))
     base_eval = [*preset["eval"], *preset.get("eval_base", [])]  # the base's: also its band's
-    eval_flags = parsed(evaluate.add_eval_args, model, preset["eval"])
-    drift_flags = parsed(drift.add_drift_args, model, preset["drift"])
-
-    stages.run("evaluate base", evaluate.done(out, parsed(evaluate.add_eval_args, model, base_eval)),
-               lambda: evaluate.main(["base", "--out", out, *common, *device, *base_eval]))
+    stages = Stages(out)
+    stages.run([("evaluate base", evaluated([out], model, base_eval),
+                 lambda: evaluate.main(["base", "--out", out, *common, *base_eval]))])
     if args.preset == "toy":
-        check_base(M.read_json(os.path.join(out, "eval.json")))
-    conditions = {k: v for seed in range(args.seeds) for k, v in (
-        runs_of(out, seed) if args.study == "main" else pressure_runs(out, seed, args.preset)).items()}
-    for name, (script, extra) in conditions.items():
-        folder = os.path.join(out, name)
-        resume = ["--resume"] if runs.last_checkpoint(folder) else []  # a stopped run continues
-        # the preset's flags for the script, then the condition's, then the run's own: the last win
-        argv = [*preset["train"].get(script, []), *preset["train"].get(results.condition(name), []), *extra,
-                "--out", folder, *common, *device, *resume]
-        finished = runs.run_finished(folder)
-        if finished:  # it stands in the table for this preset's run only if it is one
-            check_finished(folder, model, PARSERS[script](argv), args.preset)
-        stages.run(f"train {name}", finished, lambda: SCRIPTS[script](argv))
-        for f in pressure.snapshots(folder):  # each snapshot before the end: a point of its own
-            stages.run(f"evaluate {name} {os.path.basename(f)}", evaluate.done(f, eval_flags),
-                       lambda: evaluate.main([f, "--out", out, *common, *device, *preset["eval"]]))
-        stages.run(f"evaluate {name}", evaluate.done(folder, eval_flags),
-                   lambda: evaluate.main([folder, "--out", out, *common, *device, *preset["eval"]]))
-    missing = [os.path.join(out, n) for n in conditions if not drift.done(os.path.join(out, n), drift_flags)]
-    stages.run("drift", not missing, lambda: drift.main([*missing, "--out", out, *common, *device, *preset["drift"]]))
+        check_calibration(M.read_json(os.path.join(out, "eval.json")))
+    stages.run([stage for name, (script, extra) in conditions.items() for stage in
+                condition_stages(args.preset, out, name, script, extra, model, common)])
+    drift_settings = {**vars(parsed(drift.add_drift_args, preset["drift"])), "model": model}
+
+    def unmeasured():
+        folders = [os.path.join(out, name) for name in conditions]
+        return [f for f in folders
+                if not provenance.current(f, "drift.json", ["drift"], drift_settings)]
+    stages.run([("drift", lambda: not unmeasured(),
+                 lambda: drift.main([*unmeasured(), "--out", out, *common, *preset["drift"]]))])
 
     table = results.write_results(out, preset=args.preset, model=model, timings=stages.timings)
     print(table if args.study == "main" else pressure.write_report(out))
-    print(f"time of each stage (s): {', '.join(f'{k} {v:.0f}' for k, v in stages.timings.items())}; in all "
-          f"{sum(stages.timings.values()) / 60:.1f} minutes")
+    took = ", ".join(f"{k} {v:.0f}" for k, v in stages.timings.items())
+    print(f"time of each stage (s): {took}; in all {sum(stages.timings.values()) / 60:.1f} min")
     if stages.ran == 0:
-        print("every stage was already done; delete a run folder (or its eval.json / drift.json) to redo it")
+        print("every stage was already done; delete a run folder (or its eval.json / drift.json) "
+              "to redo it")
     print(f"results in {os.path.join(out, 'results.md')} and results.json")
 
 
-def parsed(add_args, model, argv):
-    """A script's flags as it parses them (add_args: its add_*_args), for model."""
+def condition_stages(preset_name, out, name, script, extra, model, common):
+    """A condition's stages: train its run (resuming a stopped one), evaluate each of its
+    snapshots (a point of its own), evaluate the run. A finished run stands only where it is
+    the preset's run now."""
+    preset, folder = PRESETS[preset_name], os.path.join(out, name)
+    # the preset's flags for the script, then the condition's, then the run's own: the last win
+    flags = [*preset["train"].get(script, []), *preset["train"].get(results.condition(name), [])]
+    argv = [*flags, *extra, "--out", folder, *common]
+
+    def trained():
+        if runs.run_finished(folder):
+            provenance.check_trained_as(folder, model, vars(PARSERS[script](argv)),
+                                        NOT_SETTINGS, f"the {preset_name} preset's now")
+        return runs.run_finished(folder)
+
+    def train():
+        SCRIPTS[script]([*argv, *(["--resume"] if runs.last_checkpoint(folder) else [])])
+
+    def unevaluated_snapshots():
+        return [f for f in pressure.snapshots(folder)
+                if not evaluated([f], model, preset["eval"])()]
+
+    def evaluate_them(*folders):
+        evaluate.main([*folders, "--out", out, *common, *preset["eval"]])
+
+    stages = [(f"train {name}", trained, train)]
+    if "--snapshot-every" in argv:
+        stages.append((f"evaluate {name} snapshots", lambda: not unevaluated_snapshots(),
+                       lambda: evaluate_them(*unevaluated_snapshots())))
+    return stages + [(f"evaluate {name}", evaluated([folder], model, preset["eval"]),
+                      lambda: evaluate_them(folder))]
+
+
+def parsed(add_args, argv):
+    """A script's flags as it parses them (add_args: its add_*_args)."""
     p = argparse.ArgumentParser()
-    cli.add_model_args(p), add_args(p)
-    return p.parse_args(["--model", model, *argv])
+    add_args(p)
+    return p.parse_args(argv)
 
 
-def check_finished(folder, model, settings, preset):
-    """Stop unless the finished run in folder is the preset's run now: trained on this base,
-    from the teacher there now, with the settings the preset gives (settings: the parsed argv)."""
-    runs.check_same_base(folder, model)
-    if runs.teacher_changed(folder):
-        raise M.InputError(f"{folder} was distilled from an earlier adapter of its teacher than "
-                           f"the one there now (trained again since); delete the folder to train "
-                           f"it from the teacher there now, or pass another --out")
-    changed = runs.changed_settings(folder, settings, NOT_SETTINGS)
-    if changed:
-        raise M.InputError(f"{folder} was trained with other settings than the {preset} preset's "
-                           f"now ({'; '.join(changed)}); delete the folder to train it again, or "
-                           f"pass another --out")
+def evaluated(folders, model, flags):
+    """done() of an evaluation: whether each folder's eval.json holds every column the
+    preset's flags ask for, measured with them on the adapter there now."""
+    settings = {**vars(parsed(evaluate.add_eval_args, flags)), "model": model}
+    columns = evaluate.columns(settings)
+    return lambda: all(provenance.current(f, "eval.json", columns, settings) for f in folders)
 
 
-def check_base(scores):
+def check_calibration(scores):
     """The toy base model's calibration band: room to move both ways on every task, and a target
     it solves in some of its samples (pass@K, where the evaluation drew K)."""
     bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.45),

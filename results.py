@@ -25,6 +25,7 @@ import statistics
 import cli
 import lora
 import model as M
+import provenance
 import runs
 
 # Table 2 of the paper (Nie 2026, arXiv 2605.22731), keyed by our run folder names
@@ -63,34 +64,21 @@ def study_folders(root):
     return sorted(found)
 
 
-def check_fingerprints(found):
-    """Stop when a number in the table is not of the adapter its folder holds now (trained
-    since it was measured), or when two rows of one column were measured with other settings
-    (other questions, rollouts, features or model): a difference between them would be the
-    flags', not the training's. found: the runs as collect_runs gathers them."""
-    first = {}
+def measured(found):
+    """(row, folder, column, fingerprint, the script that measures it) of every number of the
+    table that carries a fingerprint: each eval.json column, each drift.json."""
+    out = []
     for name, run in found.items():
-        sha = lora.adapter_sha256(run["folder"]) if name != "base" else None
-        measured = [(task, r.get("fingerprint", {}), "evaluate") for task, r in run["eval"].items()
-                    if task in COLUMNS]
-        measured += [("drift", run["drift"].get("fingerprint", {}), "drift")] if "drift" in run else []
-        for column, fingerprint, script in measured:
-            if fingerprint.get("adapter_sha256") != sha:
-                raise M.InputError(f"{run['folder']}'s {column} was measured on another adapter than the one there now "
-                                   f"(trained since, or measured by an earlier version of this code); measure it again: "
-                                   f"python {script}.py {run['folder']}")
-            seen_name, seen = first.setdefault(column, (name, fingerprint))
-            difference = runs.first_difference(seen, fingerprint, ignore=("adapter_sha256",))
-            if difference:
-                key, theirs, ours = difference
-                raise M.InputError(f"{name}'s {column} was measured with {key} {ours}, {seen_name}'s with {theirs}; "
-                                   f"{'evaluate' if script == 'evaluate' else 'measure'} both with the same flags to "
-                                   f"put them in one table")
+        out += [(name, run["folder"], task, r.get("fingerprint", {}), "evaluate")
+                for task, r in run["eval"].items() if task in COLUMNS]
+        if "drift" in run:
+            out.append((name, run["folder"], "drift", run["drift"].get("fingerprint", {}), "drift"))
+    return out
 
 
 def collect_runs(root):
     """name -> {"folder", "eval", "drift", "update_norm", "state_nll_base"} for the base (root's own
-    eval.json) and each run folder in root, in the table's order; check_fingerprints first."""
+    eval.json) and each run folder in root, in the table's order; checked comparable first."""
     found = {}
     if os.path.isfile(os.path.join(root, "eval.json")):
         found["base"] = {"folder": root, "eval": M.read_json(os.path.join(root, "eval.json"))}
@@ -108,7 +96,7 @@ def collect_runs(root):
             nll = [r["state_nll_base"] for r in runs.read_log(os.path.join(folder, "log.jsonl"))
                    if r.get("state_nll_base") is not None]
             run["state_nll_base"] = sum(nll) / len(nll) if nll else None
-    check_fingerprints(found)
+    provenance.check_comparable(measured(found))
     rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)  # noqa: E731
     return {n: found[n] for n in sorted(found, key=lambda n: (rank(n), n))}
 

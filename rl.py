@@ -79,8 +79,8 @@ def exact_answer_reward(rollout, row):
 
 def main(argv=None, reward_fn=exact_answer_reward):
     args = parse_args(argv)
-    device, dtype = runs.resolve(args, args.out if args.resume else None)
-    run = runs.RunFolder(args.out, args)
+    device, dtype = cli.resolve(args, args.out if args.resume else None)
+    run = runs.RunFolder(args.out, vars(args))
     model, tok = M.load(args.model, device, dtype)
     optimizer = train.adapter_and_optimizer(model, args)
     rows = data.load_gsm8k("train", args.data_dir)

@@ -5,10 +5,9 @@ read by evaluate.py, drift.py and reproduce.py). A run folder, out/<run>/, holds
 format), checkpoint/ (adapter + optimizer state + step) and, with --snapshot-every,
 snapshots/step-N/ (each a finished run folder of its own). RunFolder keeps what
 docs/runs.md promises: atomic checkpoints, resume to the same adapter, one process a
-folder, a stop between steps on a signal, and settings taken from the run.json of the
-folders a script is given. The model does not import it.
+folder, a stop between steps on a signal. Whether a run is of the settings asked for is
+provenance.py's question. The model does not import it.
 """
-import argparse
 import atexit
 import contextlib
 import json
@@ -27,41 +26,13 @@ from tqdm import tqdm
 
 import cli
 import lora
-from model import DEFAULT_MODEL, InputError, read_json, read_safetensors_file, write_atomic, write_json
+import provenance
+from model import InputError, read_safetensors_file, write_atomic, write_json
 
 try:
     import fcntl
 except ImportError:  # Windows: no flock, so nothing is held there
     fcntl = None
-
-
-# -----------------------------------------------------------------------------
-# settings from a run folder
-
-def model_and_data_from(args, *folders):
-    """--model and --data-dir, where not given, from the run.json of the first of folders (a
-    teacher, a run to resume or evaluate) that names them, else the defaults; printed with
-    where they came from."""
-    for name in ("model", "data_dir"):
-        source = "given" if getattr(args, name) is not None else "default"
-        if getattr(args, name) is None:
-            for folder in filter(None, folders):
-                value = (read_run_json(folder) or {}).get(name)
-                if value is not None:
-                    setattr(args, name, value)
-                    source = f"from {os.path.join(folder, 'run.json')}"
-                    break
-        if getattr(args, name) is None and name == "model":
-            args.model = DEFAULT_MODEL
-        print(f"--{name.replace('_', '-')} {getattr(args, name)} ({source})")
-    return args
-
-
-def resolve(args, *folders):
-    """A training script's start: model_and_data_from, every setting printed, the device."""
-    model_and_data_from(args, *folders)
-    print(vars(args))
-    return cli.device_from_args(args)
 
 
 # -----------------------------------------------------------------------------
@@ -136,10 +107,6 @@ def held_elsewhere(folder):
     return None
 
 
-def read_run_json(folder):
-    return read_json(os.path.join(folder, "run.json")) if os.path.isfile(os.path.join(folder, "run.json")) else None
-
-
 def read_log(path):
     """The records of a log.jsonl, leaving out a last line cut short by a killed run."""
     records = []
@@ -159,7 +126,7 @@ def last_checkpoint(folder):
 
 
 def run_finished(folder):
-    return "finished_steps" in (read_run_json(folder) or {})
+    return "finished_steps" in (provenance.run_record(folder) or {})
 
 
 def git_commit():
@@ -168,44 +135,6 @@ def git_commit():
                               cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
-
-
-def same_model(a, b):
-    """Whether --model a and b name one model: two folders by where they resolve, two hub ids
-    by name; None where that cannot be told (a folder gone since, a folder against a hub id)."""
-    local = os.path.isdir(a), os.path.isdir(b)
-    if local == (True, True):
-        return os.path.realpath(a) == os.path.realpath(b)
-    if local == (False, False) and not os.path.isabs(a) and a.count("/") == 1:
-        return a == b
-    return None
-
-
-def model_identity(model):
-    """--model as a fingerprint holds it: a folder by where it resolves, a hub id by name."""
-    return os.path.realpath(model) if os.path.isdir(model) else model
-
-
-def first_difference(recorded, wanted, ignore=()):
-    """(its flag, recorded value, wanted value) of the first setting in which two fingerprints
-    (dicts of what decides a result) differ, leaving out those in ignore; None where they agree."""
-    for key in sorted(set(recorded) | set(wanted)):
-        if key not in ignore and recorded.get(key) != wanted.get(key):
-            return "--" + key.replace("_", "-"), recorded.get(key), wanted.get(key)
-    return None
-
-
-def check_same_base(folder, model):
-    """Stop when the run in folder was trained on another base than `model`: its adapter on
-    another base of the same shapes would load without a word and give numbers that mean
-    nothing. A folder without run.json (a peft adapter) is not checked."""
-    trained_on = (read_run_json(folder) or {}).get("model")
-    same = same_model(trained_on, model) if trained_on else True
-    if same is None:
-        print(f"note: {folder} was trained on base {trained_on}, which cannot be compared with --model {model} "
-              f"here; make sure they are the same model")
-    elif not same:
-        raise InputError(f"{folder} was trained on base {trained_on}, but --model is {model}; pass --model {trained_on}")
 
 
 def check_run_folder(folder, model, also=""):
@@ -222,24 +151,9 @@ def check_run_folder(folder, model, also=""):
     if holder:
         raise InputError(f"{folder} is in use by another process (pid {holder}), which trains or evaluates it; wait "
                          f"for it to end")
-    check_same_base(folder, model)
-    if read_run_json(folder) is not None and not run_finished(folder):
+    provenance.check_same_base(folder, model)
+    if provenance.run_record(folder) is not None and not run_finished(folder):
         print(f"note: the run in {folder} has not finished (stopped before its last step); using its last adapter")
-
-
-def changed_settings(folder, args, ignore=("resume",)):
-    """'--flag old -> new' for each setting in args whose value differs from run.json's."""
-    before = read_run_json(folder) or {}
-    return [f"--{k.replace('_', '-')} {before[k]} -> {v}" for k, v in vars(args).items()
-            if k not in ignore and k in before and before[k] != v]
-
-
-def teacher_changed(folder, teacher_sha256=None):
-    """Whether the run in folder was distilled from a run-folder teacher whose adapter is not
-    the one there now (or, given, not teacher_sha256): run.json keeps its sha256."""
-    run = read_run_json(folder) or {}
-    recorded = run.get("teacher_sha256")
-    return recorded is not None and recorded != (teacher_sha256 or lora.adapter_sha256(run["teacher"]))
 
 
 class RunFolder:
@@ -248,54 +162,63 @@ class RunFolder:
     checkpoint; run.json comes with the first, so a run that fails before it leaves no
     folder behind (or, killed, one without run.json, which other scripts name as such)."""
 
-    def __init__(self, folder, args):
-        self.folder, self.args = folder, args
-        self.ckpt, self.log_path = os.path.join(folder, "checkpoint"), os.path.join(folder, "log.jsonl")
+    def __init__(self, folder, settings):
+        """settings: the run's flags by name (vars of its parsed arguments), kept in run.json."""
+        self.folder, self.settings = folder, settings
+        self.ckpt, self.log_path = (os.path.join(folder, f) for f in ("checkpoint", "log.jsonl"))
         self.snapshots = os.path.join(folder, "snapshots")
         self.stop_requested = None  # the name of the signal that asked the run to stop
         if os.path.isfile(os.path.join(folder, "config.json")):
-            raise InputError(f"--out {folder} is a model folder (config.json); pass a folder of its own for the run")
+            raise InputError(f"--out {folder} is a model folder (config.json); pass a folder of "
+                             f"its own for the run")
         self.created = not os.path.isdir(folder)
         hold(folder)  # until finish, a failure in the loop, or the end of this process
-        if self.created:  # however the process ends before its first checkpoint, the folder goes with it
+        if self.created:  # however the process ends before its first checkpoint, the folder goes
             atexit.register(self.discard_if_untrained)
         try:
             self.check_start()
         except BaseException:
             self.discard_if_untrained()
             raise
-        teacher = getattr(args, "teacher", None)  # which adapter a run-folder teacher (opd.py) held
-        self.record = {**vars(args), "git_commit": git_commit(),
+        teacher = settings.get("teacher")  # which adapter a run-folder teacher (opd.py) held
+        self.record = {**settings, "git_commit": git_commit(),
                        **({"teacher_sha256": lora.adapter_sha256(teacher)} if teacher else {})}
 
     def check_start(self):
         """A fresh run, or a resume that continues the same run: anything else stops here."""
-        folder, args = self.folder, self.args
+        folder, settings, resume = self.folder, self.settings, self.settings["resume"]
         has_checkpoint = last_checkpoint(self.folder) is not None
-        if not args.resume and has_checkpoint:
-            raise InputError(f"{folder} already holds a trained run; pass --resume to continue it or --out for a new folder")
-        if not args.resume and os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
-            raise InputError(f"{folder} already holds a trained adapter (and no checkpoint to continue it from); pass "
-                             f"--out for a new folder, or delete {folder} to train it again")
-        if args.resume and not has_checkpoint:
-            raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start the run")
-        if not args.resume:
-            if not cli.RANK:  # what a run killed before its first checkpoint left; under torchrun one process removes it
+        if not resume and has_checkpoint:
+            raise InputError(f"{folder} already holds a trained run; pass --resume to continue "
+                             f"it or --out for a new folder")
+        if not resume and os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+            raise InputError(f"{folder} already holds a trained adapter (and no checkpoint to "
+                             f"continue it from); pass --out for a new folder, or delete {folder} "
+                             f"to train it again")
+        if resume and not has_checkpoint:
+            raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start "
+                             f"the run")
+        if not resume:
+            if not cli.RANK:  # what a run killed before its first checkpoint left: one removes it
                 for leftover in (self.log_path, os.path.join(folder, "run.json")):
                     if os.path.isfile(leftover):
                         os.remove(leftover)
                 shutil.rmtree(self.snapshots, ignore_errors=True)
             return
-        check_same_base(folder, args.model)
-        teacher = getattr(args, "teacher", None)
-        if teacher_changed(folder, lora.adapter_sha256(teacher) if teacher else None):
-            raise InputError(f"{folder} was distilled from another adapter than {teacher} holds now (trained further "
-                             f"or again since); put back the teacher it started from, or start a new run with --out")
-        reshaped = changed_settings(folder, argparse.Namespace(rank=args.rank, alpha=args.alpha))
-        if reshaped:  # the checkpoint's adapter has its rank, and its alpha set the scale it was trained under
-            raise InputError(f"{folder}'s adapter was trained with other LoRA settings ({'; '.join(reshaped)}); resume "
-                             f"with its own, or start a new run with --out")
-        changed = changed_settings(folder, args)
+        provenance.check_same_base(folder, settings["model"])
+        teacher = settings.get("teacher")
+        if provenance.teacher_changed(folder, lora.adapter_sha256(teacher) if teacher else None):
+            raise InputError(f"{folder} was distilled from another adapter than {teacher} holds "
+                             f"now (trained further or again since); put back the teacher it "
+                             f"started from, or start a new run with --out")
+        # the checkpoint's adapter has its rank, and its alpha set the scale it trained under
+        shape = {k: settings[k] for k in ("rank", "alpha")}
+        reshaped = provenance.changed_settings(folder, shape)
+        if reshaped:
+            raise InputError(f"{folder}'s adapter was trained with other LoRA settings "
+                             f"({'; '.join(reshaped)}); resume with its own, or start a new run "
+                             f"with --out")
+        changed = provenance.changed_settings(folder, settings)
         if changed:
             print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
 
@@ -340,19 +263,19 @@ class RunFolder:
         os.replace(tmp, self.ckpt)
         shutil.rmtree(old, ignore_errors=True)
         lora.save_adapter(model, self.folder, name)
-        if read_run_json(self.folder) is None:  # the run's first checkpoint
+        if provenance.run_record(self.folder) is None:  # the run's first checkpoint
             write_json(os.path.join(self.folder, "run.json"), self.record)
 
     def step_seed(self, step):
         """The seed of (--seed, step), 2^20 apart: a step's samples (step_seed + r) meet no other step's."""
-        return (self.args.seed * 1_000_003 + step) << 20
+        return (self.settings["seed"] * 1_000_003 + step) << 20
 
     def steps(self, model, optimizer, end, desc):
         """The run's steps, from 0 or (--resume) its last checkpoint up to end: before each, torch
         seeded with step_seed and the clock started for log; after each, end_step (a snapshot,
         a checkpoint, a stop asked for); after the last, finish. A stop signal ends the run
         after a whole step, saved (stop_between_steps)."""
-        start = self.resume(model, optimizer) if self.args.resume else 0
+        start = self.resume(model, optimizer) if self.settings["resume"] else 0
         self.bar = tqdm(range(start, end), initial=start, total=end, desc=desc, disable=cli.RANK > 0)
         with self.stop_between_steps():
             for step in self.bar:
@@ -398,9 +321,9 @@ class RunFolder:
         # under torchrun every process stops after the same step, where any was asked to
         stopping = cli.summed(self.stop_requested is not None)[0] > 0 and step < end
         try:
-            if self.args.snapshot_every and step % self.args.snapshot_every == 0:
+            if self.settings["snapshot_every"] and step % self.settings["snapshot_every"] == 0:
                 self.snapshot(model, step)
-            if step % self.args.save_every == 0 or step == end or stopping:
+            if step % self.settings["save_every"] == 0 or step == end or stopping:
                 self.save(model, optimizer, step)
         except OSError as e:  # a full disk, above all: each write is whole or absent, so say which is left
             left = ("the last checkpoint written is intact: make room, then continue with --resume" if

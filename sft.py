@@ -53,8 +53,8 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    device, dtype = runs.resolve(args, args.out if args.resume else None)
-    run = runs.RunFolder(args.out, args)
+    device, dtype = cli.resolve(args, args.out if args.resume else None)
+    run = runs.RunFolder(args.out, vars(args))
     model, tok = M.load(args.model, device, dtype)
     optimizer = train.adapter_and_optimizer(model, args)
 

@@ -18,7 +18,6 @@ The default world's base ships in toy-base/, used wherever its fingerprint is th
 """
 import argparse
 import csv
-import hashlib
 import inspect
 import json
 import os
@@ -32,6 +31,7 @@ import cli
 import data
 import drift
 import model as M
+import provenance
 import runs
 import train
 
@@ -198,9 +198,9 @@ def pretrain(out, args, shipped=SHIPPED):
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
     with runs.holding(out):  # two pretrainings into one folder would overwrite each other's checkpoints
         world = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems, annotated=args.annotated)
-        mark = fingerprint(*world, args)
+        mark = base_digest(*world, args)
         if shipped and os.path.isdir(shipped) and not os.path.exists(model_dir):
-            if fingerprint_of(shipped) == mark:
+            if digest_of(shipped) == mark:
                 shutil.copytree(shipped, model_dir + ".tmp", dirs_exist_ok=True)  # over a copy cut short
                 os.replace(model_dir + ".tmp", model_dir)  # whole or not at all
                 print(f"using the base model shipped in {shipped}, which this code pretrains on this world")
@@ -208,19 +208,21 @@ def pretrain(out, args, shipped=SHIPPED):
                 print(f"note: the base in {shipped} is of another world, settings or code; pretraining one here")
         if not os.path.isfile(os.path.join(model_dir, "model.safetensors")):
             pretrain_in(*world, model_dir, args, mark)
-        elif fingerprint_of(model_dir) != mark:
+        elif digest_of(model_dir) != mark:
             raise M.InputError(f"{model_dir} was pretrained with other settings, world or code than these (or kept no "
                                f"fingerprint in pretrain.json); delete it to pretrain again, or pass another --out")
     return data_dir, model_dir
 
 
-def fingerprint(corpus, problems, args):
-    """What decides the base, as one sha256: the settings, the documents and the code that pretrains."""
+def base_digest(corpus, problems, args):
+    """What decides the base, as one sha256: the settings, the documents and the code that
+    pretrains (pretrain.json keeps it as its fingerprint)."""
     code = [inspect.getsource(fn) for fn in (train_tokenizer, pretrain_in)]
-    return hashlib.sha256(json.dumps([vars(args), corpus, problems, code], sort_keys=True).encode()).hexdigest()
+    return provenance.digest([vars(args), corpus, problems, code])
 
 
-def fingerprint_of(model_dir):
+def digest_of(model_dir):
+    """The base_digest a pretrained base folder keeps, or None."""
     path = os.path.join(model_dir, "pretrain.json")
     return M.read_json(path).get("fingerprint") if os.path.isfile(path) else None
 

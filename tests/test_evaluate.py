@@ -1,4 +1,3 @@
-import argparse
 import itertools
 import json
 import os
@@ -16,6 +15,7 @@ import evaluate as E
 import lora
 import results
 import model as M
+import provenance
 import runs
 from conftest import DEVICES, ROOT
 from sample import generate
@@ -133,8 +133,8 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
                 mmlu_scoring="letter", seed=1234, truthfulqa_limit=0)
 
     def base_scored(**changes):  # the base's eval.json, as evaluate.py writes it with these flags
-        args = argparse.Namespace(**{**base, **changes})
-        (tmp_path / "eval.json").write_text(json.dumps({t: {"acc": 0.5, "fingerprint": E.fingerprint(args, t)}
+        settings = {**base, **changes}
+        (tmp_path / "eval.json").write_text(json.dumps({t: {"acc": 0.5, "fingerprint": provenance.fingerprint(t, settings)}
                                                         for t in ("mmlu", "truthfulqa")}))
     base_scored()
     flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)]
@@ -148,7 +148,7 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
     with pytest.raises(M.InputError, match="scored truthfulqa with --truthfulqa-limit 0, this evaluation with 5"):
         E.main([str(run), "--mmlu-limit", "500", "--truthfulqa-limit", "5", *flags])
     base_scored(mmlu_limit=0)  # every MMLU question: the seed decides none of them
-    E.check_base(str(tmp_path / "eval.json"), argparse.Namespace(**{**base, "mmlu_limit": 0, "seed": 7}))
+    provenance.check_measured_alike(str(tmp_path / "eval.json"), ["mmlu", "truthfulqa"], {**base, "mmlu_limit": 0, "seed": 7})
     # a base evaluation of another model in the same --out: forgetting against it would mean nothing
     other = tmp_path / "other-base"
     other.mkdir()
@@ -176,12 +176,12 @@ def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path,
     def trained_on(model):
         (run / "run.json").write_text(json.dumps({"model": model}))
         return str(run)
-    runs.check_same_base(trained_on(tiny_models["tied"] + "/."), tiny_models["tied"])  # one folder, two spellings
-    runs.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-0.6B-Base")
+    provenance.check_same_base(trained_on(tiny_models["tied"] + "/."), tiny_models["tied"])  # one folder, two spellings
+    provenance.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-0.6B-Base")
     with pytest.raises(M.InputError, match="trained on base Qwen/Qwen3-0.6B-Base, but --model is Qwen/Qwen3-1.7B-Base"):
-        runs.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-1.7B-Base")
+        provenance.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-1.7B-Base")
     capsys.readouterr()
-    runs.check_same_base(trained_on(str(tmp_path / "moved" / "base-model")), tiny_models["tied"])  # a study moved since
+    provenance.check_same_base(trained_on(str(tmp_path / "moved" / "base-model")), tiny_models["tied"])  # a study moved since
     assert "cannot be compared with --model" in capsys.readouterr().out
 
 
@@ -276,18 +276,13 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
 
 
 def test_more_mmlu_shots_than_the_dev_split_holds_is_an_input_error(data_dir, monkeypatch):
-    p = argparse.ArgumentParser()
-    E.add_eval_args(p)
-    args = p.parse_args(["--mmlu-limit", "8", "--mmlu-shots", "6"])
-    args.data_dir = data_dir
     with pytest.raises(M.InputError, match=r"--mmlu-shots 6: the dev split holds 5 examples of \w+; pass --mmlu-shots 5"):
-        E.eval_mmlu(None, None, args)  # raised before any model is needed
+        E.eval_mmlu(None, None, data_dir, 8, 6, "letter", 1234, 16)  # raised before any model is needed
     # five, the default and all the dev split holds, is taken: every prompt gets its subject's five examples
-    args.mmlu_shots = 5
     prompts = []
     monkeypatch.setattr(E, "score_choices", lambda model, tok, contexts, choices, *rest, **kw:
                         prompts.extend(contexts) or [[0.0] * 4 for _ in contexts])
-    E.eval_mmlu(None, None, args)
+    E.eval_mmlu(None, None, data_dir, 8, 5, "letter", 1234, 16)
     assert len(prompts) == 8 and all(p.count("\nAnswer: ") == 5 for p in prompts)
 
 
@@ -309,7 +304,8 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
     lora.save_adapter(m, str(run), base_model=tiny_model)
     evaluated = []
     plain = E.evaluate
-    monkeypatch.setattr(E, "evaluate", lambda model, tok, args: evaluated.append(args.tasks) or plain(model, tok, args))
+    monkeypatch.setattr(E, "evaluate", lambda model, tok, data_dir, **flags: evaluated.append(flags["tasks"]) or
+                        plain(model, tok, data_dir, **flags))
     flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path), "--tasks", "mmlu,mmlu",
              "--mmlu-limit", "2", "--mmlu-shots", "0"]
     E.main([str(run), str(run), *flags])  # a second adapter named like the first stopped it with a ValueError
@@ -338,8 +334,7 @@ def test_truthfulqa_scores_each_choice_of_a_question_once_with_the_scores_of_eac
     plain = E.score_choices
     monkeypatch.setattr(E, "score_choices", lambda model, tok, contexts, choices, *a: scored.extend(
         map(tuple, choices)) or plain(model, tok, contexts, choices, *a))
-    args = argparse.Namespace(data_dir=data_dir, truthfulqa_limit=6, batch_size=4)
-    _, samples = E.eval_truthfulqa(m, tok, args)
+    _, samples = E.eval_truthfulqa(m, tok, data_dir, 6, 4)
     assert sorted(scored) == sorted(tuple(dict.fromkeys(f" {c}" for c in [*r["mc1_targets"], *r["mc2_targets"]]))
                                     for r in rows)
     assert sum(map(len, scored)) < sum(len(r["mc1_targets"]) + len(r["mc2_targets"]) for r in rows)
@@ -356,9 +351,9 @@ def test_pass_at_k_is_the_chance_that_k_of_the_n_samples_hold_a_right_one():
 
 def test_samples_are_seeded_temperature_one_draws_scored_by_their_flexible_answer(tiny_model, data_dir, monkeypatch):
     model, tok = M.load(tiny_model)
-    args = argparse.Namespace(data_dir=data_dir, gsm8k_limit=6, max_new_tokens=12, samples=4, batch_size=8)
-    _, samples = E.eval_gsm8k_samples(model, tok, args)
-    prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("test", data_dir)[:6]]
+    rows = data.load_gsm8k("test", data_dir)[:6]
+    _, samples = E.eval_gsm8k_samples(model, tok, rows, 4, 8, 12)
+    prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
     assert [s["prompt"] for s in samples] == prompts
     order = sorted(range(6), key=lambda i: -len(prompts[i]))  # one batch, longest first, seeded from SAMPLE_SEED
     drawn = generate(model, tok, [prompts[i] for i in order], n=4, max_new_tokens=12, temperature=1.0,
@@ -368,11 +363,9 @@ def test_samples_are_seeded_temperature_one_draws_scored_by_their_flexible_answe
     assert any(len(set(s["completions"])) > 1 for s in samples)  # drawn, not greedy
     # make some of the drawn answers right: each question's gold is its first sample's number
     answers = [[data.extract_answer(t, "flexible") for t in s["completions"]] for s in samples]
-    rows = data.load_gsm8k("test", data_dir)[:6]
     for row, a in zip(rows, answers):
         row["gold"] = a[0] or "-1"
-    monkeypatch.setattr(E, "gsm8k_rows", lambda args: rows)
-    scores, again = E.eval_gsm8k_samples(model, tok, args)
+    scores, again = E.eval_gsm8k_samples(model, tok, rows, 4, 8, 12)
     right = [sum(data.same_number(x, row["gold"]) for x in a) for a, row in zip(answers, rows)]
     assert [sum(s["correct"]) for s in again] == right and sum(right) > 0
     for k in range(1, 5):

@@ -11,6 +11,7 @@ import cli
 import data
 import lora
 import model as M
+import provenance
 import opd
 import rl
 import runs
@@ -116,10 +117,10 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     opd.main([*distil, "--max-steps", "1"])
     recorded = json.loads((student / "run.json").read_text())["teacher_sha256"]
     assert recorded == hashlib.sha256((teacher / "adapter_model.safetensors").read_bytes()).hexdigest()
-    assert not runs.teacher_changed(str(student))
+    assert not provenance.teacher_changed(str(student))
     opd.main([*distil, "--max-steps", "2", "--resume"])  # the same teacher: resumes
     sft.main([*train_teacher, "--max-steps", "2", "--resume"])
-    assert runs.teacher_changed(str(student))
+    assert provenance.teacher_changed(str(student))
     with pytest.raises(M.InputError, match=f"{student} was distilled from another adapter than {teacher} holds now"):
         opd.main([*distil, "--resume"])
     assert len(read_log(student)) == 2
@@ -128,7 +129,7 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     opd.main(common(tiny_model, data_dir, base_taught, "--teacher", tiny_model, "--prompts-per-step", 1,
                     "--max-new-tokens", 4, "--continuation-tokens", 2, "--max-steps", 1))
     assert json.loads((base_taught / "run.json").read_text())["teacher_sha256"] is None
-    assert not runs.teacher_changed(str(base_taught))
+    assert not provenance.teacher_changed(str(base_taught))
 
 
 @pytest.mark.parametrize("split", [[], ["--micro-batch-tokens", 1]])  # one pass a step, a pass a sequence

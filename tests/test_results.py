@@ -12,8 +12,14 @@ import pytest
 import drift
 import evaluate as E
 import model as M
+import provenance
 import results as R
 from conftest import DEVICES
+
+
+def evaluated(folder, settings):
+    """What reproduce.py asks of an evaluation: every column the flags ask for, current."""
+    return provenance.current(folder, "eval.json", E.columns(settings), settings)
 
 
 def test_table_gives_small_drift_in_significant_digits():
@@ -147,18 +153,19 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
     eval_args, drift_args = argparse.ArgumentParser(), argparse.ArgumentParser()
     for p, add in ((eval_args, E.add_eval_args), (drift_args, drift.add_drift_args)):
         p.add_argument("--model"), p.add_argument("--data-dir"), p.add_argument("--out"), add(p)
-    eval_args, drift_args = eval_args.parse_args(flags), drift_args.parse_args(drift_flags)
+    eval_args, drift_args = vars(eval_args.parse_args(flags)), vars(drift_args.parse_args(drift_flags))
     sft.main([*train, "--max-steps", "1"])
     E.main(["base", str(run), *flags])
     drift.main([str(run), *drift_flags])
     digest = hashlib.sha256((run / "adapter_model.safetensors").read_bytes()).hexdigest()
     assert json.loads((run / "eval.json").read_text())["mmlu"]["fingerprint"]["adapter_sha256"] == digest
     assert json.loads((run / "drift.json").read_text())["fingerprint"]["adapter_sha256"] == digest
-    assert E.done(str(run), eval_args) and drift.done(str(run), drift_args) and E.done(str(out), eval_args)
+    drifted = lambda: provenance.current(str(run), "drift.json", ["drift"], drift_args)  # noqa: E731
+    assert evaluated(str(run), eval_args) and drifted() and evaluated(str(out), eval_args)
     R.write_results(str(out))
 
     sft.main([*train, "--max-steps", "2", "--resume"])
-    assert not E.done(str(run), eval_args) and not drift.done(str(run), drift_args)
+    assert not evaluated(str(run), eval_args) and not drifted()
     stale = f"{run}'s mmlu was measured on another adapter than the one there now (trained since"
     with pytest.raises(M.InputError, match=re.escape(stale) + ".*; measure it again: python evaluate.py " + str(run)):
         R.write_results(str(out))
@@ -166,7 +173,7 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
     with pytest.raises(M.InputError, match=re.escape(f"{run}'s drift was measured on another adapter")):
         R.write_results(str(out))
     drift.main([str(run), *drift_flags])
-    assert E.done(str(run), eval_args) and drift.done(str(run), drift_args)
+    assert evaluated(str(run), eval_args) and drifted()
     assert "| stress |" in R.write_results(str(out))
     # the base evaluated again on other questions: the run's forgetting is against the old ones
     E.main(["base", *flags[:-6], "--mmlu-limit", "3", "--mmlu-shots", "0", "--batch-size", "4"])
@@ -185,12 +192,11 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     def write(name, eval_settings, tasks=("gsm8k", "mmlu", "truthfulqa"), drift_settings=None):
         folder = tmp_path / name if name != "base" else tmp_path
         folder.mkdir(exist_ok=True)
-        args = argparse.Namespace(**eval_settings)
-        (folder / "eval.json").write_text(json.dumps({t: {**scores[t], "fingerprint": E.fingerprint(args, t)}
+        (folder / "eval.json").write_text(json.dumps({t: {**scores[t], "fingerprint": provenance.fingerprint(t, eval_settings)}
                                                       for t in tasks}))
         if drift_settings is not None:
-            (folder / "drift.json").write_text(json.dumps({"mmd2": 1e-5, "fingerprint": drift.fingerprint(
-                argparse.Namespace(**drift_settings), None)}))
+            (folder / "drift.json").write_text(json.dumps({"mmd2": 1e-5, "fingerprint": provenance.fingerprint(
+                "drift", drift_settings)}))
 
     write("base", settings)
     write("mild", dict(settings, batch_size=4), drift_settings=lexical)  # a flag that changes no question
@@ -198,18 +204,18 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     write("rl", dict(settings, gsm8k_limit=100), tasks=("mmlu", "truthfulqa"))  # it has no GSM8K score to compare
     assert set(R.collect_runs(str(tmp_path))) == {"base", "mild", "stress", "rl"}
     # what reproduce.py asks before it evaluates a run again: every task it names, on its questions
-    preset = argparse.Namespace(**settings)
-    assert E.done(str(tmp_path / "mild"), preset) and E.done(str(tmp_path), preset)
-    assert not E.done(str(tmp_path / "rl"), preset)  # no GSM8K score
-    assert E.done(str(tmp_path / "rl"), argparse.Namespace(**{**settings, "tasks": "mmlu,truthfulqa"}))
-    assert not E.done(str(tmp_path / "stress"), argparse.Namespace(**{**settings, "mmlu_limit": 100}))
-    assert not E.done(str(tmp_path), argparse.Namespace(**{**settings, "samples": 16}))  # no pass@16 drawn yet
+    preset = settings
+    assert evaluated(str(tmp_path / "mild"), preset) and evaluated(str(tmp_path), preset)
+    assert not evaluated(str(tmp_path / "rl"), preset)  # no GSM8K score
+    assert evaluated(str(tmp_path / "rl"), {**settings, "tasks": "mmlu,truthfulqa"})
+    assert not evaluated(str(tmp_path / "stress"), {**settings, "mmlu_limit": 100})
+    assert not evaluated(str(tmp_path), {**settings, "samples": 16})  # no pass@16 drawn yet
     # the study folder used again with another base model: its base evaluation is not that model's
     first, second = tmp_path / "first-model", tmp_path / "second-model"
     first.mkdir(), second.mkdir()
     write("base", dict(settings, model=str(first)))
-    assert E.done(str(tmp_path), argparse.Namespace(**{**settings, "model": str(first) + "/"}))
-    assert not E.done(str(tmp_path), argparse.Namespace(**{**settings, "model": str(second)}))
+    assert evaluated(str(tmp_path), {**settings, "model": str(first) + "/"})
+    assert not evaluated(str(tmp_path), {**settings, "model": str(second)})
     write("base", settings)
 
     write("rl", dict(settings, gsm8k_limit=100))

@@ -24,8 +24,8 @@ from conftest import (DEVICES, MAINS, ROOT, adapter_tensors, common, hold_in_ano
 
 
 def run_args(**changes):
-    return argparse.Namespace(**{**dict(save_every=2, snapshot_every=0, seed=0, model="m", rank=4, alpha=8,
-                                        resume=False), **changes})
+    return {**dict(save_every=2, snapshot_every=0, seed=0, model="m", rank=4, alpha=8, resume=False),
+            **changes}
 
 
 def test_number_flags_name_the_bound_and_the_reason(capsys):
@@ -434,7 +434,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_folder(tmp_p
     assert not os.path.exists(folder)
     # a process that ends in an error after making the folder (a model that fails to load)
     code = ("import sys, argparse; sys.path.insert(0, sys.argv[1]); import runs; "
-            "runs.RunFolder(sys.argv[2], argparse.Namespace(save_every=2, snapshot_every=0, model='m', rank=4, alpha=8, "
+            "runs.RunFolder(sys.argv[2], dict(save_every=2, snapshot_every=0, model='m', rank=4, alpha=8, "
             "resume=False)); raise SystemExit('error: no model')")
     done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.dirname(__file__)), folder],
                           capture_output=True, text=True)
@@ -552,11 +552,11 @@ def test_model_and_data_come_from_the_run_json_of_the_folders_given(tmp_path, ca
     teacher = tmp_path / "stress"
     teacher.mkdir()
     M.write_json(str(teacher / "run.json"), dict(model="out/toy/base-model", data_dir="out/toy/data"))
-    args = runs.model_and_data_from(argparse.Namespace(model=None, data_dir=None), None, str(teacher))
+    args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), None, str(teacher))
     assert (args.model, args.data_dir) == ("out/toy/base-model", "out/toy/data")
     assert f"--model out/toy/base-model (from {teacher}/run.json)" in capsys.readouterr().out
-    args = runs.model_and_data_from(argparse.Namespace(model="mine", data_dir=None), str(teacher))
+    args = cli.model_and_data_from(argparse.Namespace(model="mine", data_dir=None), str(teacher))
     assert (args.model, args.data_dir) == ("mine", "out/toy/data")  # a flag given wins
-    args = runs.model_and_data_from(argparse.Namespace(model=None, data_dir=None), str(tmp_path / "nothing"))
+    args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), str(tmp_path / "nothing"))
     assert (args.model, args.data_dir) == (M.DEFAULT_MODEL, None)
     assert "(default)" in capsys.readouterr().out

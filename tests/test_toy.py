@@ -217,7 +217,7 @@ def test_a_shipped_base_is_taken_only_where_its_fingerprint_is_of_the_world_sett
         _, model_dir = toy.pretrain(str(tmp_path / name), changed, shipped=str(shipped))
         printed = capsys.readouterr().out
         assert note in printed and "pretraining 0.0M parameters" in printed, name
-        assert toy.fingerprint_of(model_dir) not in (None, toy.fingerprint_of(shipped))
+        assert toy.digest_of(model_dir) not in (None, toy.digest_of(shipped))
     monkeypatch.undo()
     # toy.py --pretrain pretrains all the same; without it the shipped base is taken
     monkeypatch.setattr(toy, "SHIPPED", str(shipped))
@@ -258,7 +258,7 @@ def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_pat
     shipped = toy.SHIPPED
     world = toy.write_world(str(tmp_path / "data"), args.world_seed, n_pretrain=args.target_problems,
                             annotated=args.annotated)
-    assert toy.fingerprint_of(shipped) == toy.fingerprint(*world, args), \
+    assert toy.digest_of(shipped) == toy.base_digest(*world, args), \
         "toy-base/ is not the default world's base: run python toy.py --pretrain and copy its base-model/ to toy-base/"
     assert M.read_json(os.path.join(shipped, "pretrain.json"))["settings"] == vars(args)
     one_step = p.parse_args(["--pretrain-steps", "1"])  # the same shapes and tokenizer, one step of pretraining
@@ -273,17 +273,17 @@ def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_pat
     out = tmp_path / "eval"
     import evaluate
     evaluate.main(["base", "--out", str(out), "--model", shipped, "--data-dir", str(tmp_path / "data"), *evaluate_args])
-    reproduce.check_base(M.read_json(str(out / "eval.json")))  # stops outside the band
+    reproduce.check_calibration(M.read_json(str(out / "eval.json")))  # stops outside the band
 
 
 def test_the_calibration_band_asks_a_base_that_solves_most_problems_in_some_of_its_samples(capsys):
     import reproduce
     scores = dict(gsm8k=dict(flexible=0.3), mmlu=dict(acc=0.8), truthfulqa=dict(mc1=0.7))
-    reproduce.check_base(scores)  # no samples drawn: the three scores alone
+    reproduce.check_calibration(scores)  # no samples drawn: the three scores alone
     drawn = dict(samples=16, **{"pass@16": 0.85})
-    reproduce.check_base({**scores, "gsm8k_samples": drawn})
+    reproduce.check_calibration({**scores, "gsm8k_samples": drawn})
     assert "base gsm8k pass@16: 0.850 (band 0.8 to 1.01)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="gsm8k pass@16 0.700 outside"):
-        reproduce.check_base({**scores, "gsm8k_samples": {**drawn, "pass@16": 0.7}})
+        reproduce.check_calibration({**scores, "gsm8k_samples": {**drawn, "pass@16": 0.7}})
     with pytest.raises(SystemExit, match="gsm8k 0.500 outside"):  # greedy as good as RL should make it: no room
-        reproduce.check_base({**scores, "gsm8k": dict(flexible=0.5)})
+        reproduce.check_calibration({**scores, "gsm8k": dict(flexible=0.5)})
