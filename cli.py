@@ -39,6 +39,21 @@ def number(kind, minimum, above=False, below=None, why=""):
     return parse
 
 
+def mixture(text, names, flag):
+    """A flag's weights of names: one name alone, or weights of them that sum to 1
+    ("student=0.25,data=0.75"); anything else is a one-line error."""
+    parts = [part.split("=") for part in text.split(",")] if "=" in text else [[text, "1"]]
+    try:  # a weight that is no number, or a part that is not name=weight: none
+        weights = {name.strip(): float(w) for name, w in parts}
+    except ValueError:
+        weights = {}
+    w = list(weights.values())
+    if not w or not set(weights) <= set(names) or min(w) < 0 or not abs(sum(w) - 1) <= 1e-6:
+        raise InputError(f"{flag} {text!r}: give {', '.join(names[:-1])} or {names[-1]}, or "
+                         f"weights of them that sum to 1, e.g. {names[0]}=0.25,{names[-1]}=0.75")
+    return weights
+
+
 def add_model_args(p, model_help=f"base model: a hub id or a local folder (default: the one the "
                                   f"run folders given were trained on, else {DEFAULT_MODEL})"):
     """The flags every entry point shares: which model, which data, which device."""

@@ -271,28 +271,6 @@ def item_rng(key, i):
     return random.Random("/".join(map(str, (*key[:2], key[2] + i))))
 
 
-def state_mixture(text):
-    """--state-source as weights: student, teacher or data alone, or weights of them that sum
-    to 1 ("student=0.25,data=0.75"): where OPD's trajectories come from."""
-    parts = [part.split("=") for part in text.split(",")] if "=" in text else [[text, "1"]]
-    try:
-        weights = {name.strip(): float(w) for name, w in parts}
-    except ValueError:  # a weight that is no number, or a part that is not name=weight
-        weights = {}
-    known = set(weights) <= {"student", "teacher", "data"}
-    sums_to_one = abs(sum(weights.values()) - 1) <= 1e-6
-    if not weights or not known or min(weights.values()) < 0 or not sums_to_one:
-        raise InputError(f"--state-source {text!r}: give student, teacher or data, or weights of "
-                         f"them that sum to 1, e.g. student=0.25,data=0.75")
-    return weights
-
-
-def state_sources(weights, n, key):
-    """The state source of each of n prompts of a step, prompt i drawn from item_rng(key, i)."""
-    names = sorted(weights)
-    return [item_rng(key, i).choices(names, [weights[s] for s in names])[0] for i in range(n)]
-
-
 # -----------------------------------------------------------------------------
 # prompts
 

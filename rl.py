@@ -31,18 +31,19 @@ from sample import generate
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/rl", help="run folder")
-    p.add_argument("--steps", type=cli.number(int, 1), default=200, help="optimizer steps (the schedule's length)")
-    p.add_argument("--prompts-per-step", type=cli.number(int, 1), default=8, help="GSM8K train prompts per step")
+    p.add_argument("--steps", type=cli.number(int, 1), default=200, help="the schedule's length")
+    p.add_argument("--prompts-per-step", type=cli.number(int, 1), default=8, help="train prompts")
     p.add_argument("--group-size", default=8, help="completions sampled per prompt",
-                   type=cli.number(int, 2, why="the advantage compares each sample with the others of its prompt"))
+                   type=cli.number(int, 2, why="the advantage compares a prompt's samples"))
     p.add_argument("--temperature", default=1.0, help="sampling temperature of the rollouts",
-                   type=cli.number(float, 0, above=True, why="at 0 a prompt's samples are all the same: no advantage"))
-    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="longest completion")
-    p.add_argument("--ppo-epochs", type=cli.number(int, 1), default=1, help="steps per batch (1 = on-policy)")
-    p.add_argument("--clip", type=cli.number(float, 0, above=True), default=0.2, help="PPO clip (--ppo-epochs > 1)")
-    p.add_argument("--kl-coef", type=cli.number(float, 0), default=0.0, help="weight of the k3 KL to the base")
+                   type=cli.number(float, 0, above=True, why="at 0 all samples are one"))
+    p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="longest one")
+    p.add_argument("--ppo-epochs", type=cli.number(int, 1), default=1, help="1: on-policy")
+    p.add_argument("--clip", type=cli.number(float, 0, above=True), default=0.2, help="PPO clip")
+    p.add_argument("--kl-coef", type=cli.number(float, 0), default=0.0, help="k3 KL's weight")
     cli.add_training_args(p, lr=2e-5, rank=16, alpha=32, warmup=0.0)
     return p.parse_args(argv)
 
@@ -50,7 +51,8 @@ def parse_args(argv):
 def group_advantages(rewards, group_size):
     """(r - mean) / (std + 1e-4) within each group of samples of one prompt (population std)."""
     r = torch.tensor(rewards, dtype=torch.float32).view(-1, group_size)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, unbiased=False, keepdim=True) + 1e-4)).flatten()
+    std = r.std(1, unbiased=False, keepdim=True)
+    return ((r - r.mean(1, keepdim=True)) / (std + 1e-4)).flatten()
 
 
 def policy_loss(logp, old_logp, advantages, clip, ref_logp=None, kl_coef=0.0):
@@ -62,10 +64,10 @@ def policy_loss(logp, old_logp, advantages, clip, ref_logp=None, kl_coef=0.0):
     # on the first epoch logp and old_logp are one policy computed twice (trainer, sampler):
     # their gap is float rounding, the measure of how on-policy the step is
     gaps = (logp - old_logp).detach().abs()
-    metrics = dict(clip_frac=((ratio - 1).abs() > clip).sum().item(), sampler_gap=gaps.sum().item(),
-                   gaps=gaps.cpu())
+    metrics = dict(clip_frac=((ratio - 1).abs() > clip).sum().item(),
+                   sampler_gap=gaps.sum().item(), gaps=gaps.cpu())
     if ref_logp is not None and kl_coef > 0:
-        # k3 estimator of KL(pi || ref), unbiased and always >= 0 (Schulman 2020, "Approximating KL divergence")
+        # k3 estimator of KL(pi || ref): unbiased, never below 0 (Schulman 2020, "Approximating KL")
         log_r = ref_logp - logp
         kl = log_r.exp() - log_r - 1
         pg = pg + kl_coef * kl
@@ -82,35 +84,37 @@ def main(argv=None, reward_fn=exact_answer_reward):
     device, dtype = cli.resolve(args, args.out if args.resume else None)
     run = runs.RunFolder(args.out, vars(args))
     model, tok = M.load(args.model, device, dtype)
-    optimizer = train.adapter_and_optimizer(model, args)
+    optimizer = train.adapter_and_optimizer(model, args.rank, args.alpha, args.lora_dropout,
+                                            args.lr, args.weight_decay, args.seed, args.recompute)
     rows = data.load_gsm8k("train", args.data_dir)
     end = min(args.steps, args.max_steps) if args.max_steps else args.steps
     passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
 
     for step in run.steps(model, optimizer, end, "rl"):
-        batch = [rows[i] for i in data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)]
-        first, last = cli.split(len(batch), "--prompts-per-step")  # under torchrun, this process's prompts
-        batch = batch[first:last]
+        picked = data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)
+        first, last = cli.split(len(picked), "--prompts-per-step")  # torchrun: this process's
+        batch = [rows[i] for i in picked[first:last]]
 
         # the state source: the current policy samples its own trajectories
         model.eval()
-        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], n=args.group_size,
-                            max_new_tokens=args.max_new_tokens, temperature=args.temperature, stop=data.GSM8K_STOP,
+        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
+                            n=args.group_size, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, stop=data.GSM8K_STOP,
                             seed=run.step_seed(step) + first * args.group_size)
         sequences, starts = [r.sequence for r in rollouts], [r.start for r in rollouts]
-        # the signal: each sample's reward against the others of its prompt, on every one of its tokens
+        # the signal: each sample's reward against its prompt's others, on each of its tokens
         rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
         advantages = [torch.full((len(r.completion_ids),), a, device=device) for r, a in
                       zip(rollouts, group_advantages(rewards, args.group_size).tolist())]
-        sampled = [torch.tensor(r.logprobs, device=device) for r in rollouts]  # the "old" policy
-        base = train.base_logprobs(model, sequences, starts, tok.pad_id, *passes)  # KL's reference
+        sampled = [torch.tensor(r.logprobs, device=device) for r in rollouts]  # "old" policy
+        base = train.base_logprobs(model, sequences, starts, tok.pad_id, *passes)  # KL's ref
 
         def loss_of(seqs, sts, sampled, advantages, base):  # one pass's share of each, joined
             logp, _ = train.sequence_logprobs(model, seqs, sts, tok.pad_id)
             return policy_loss(logp, sampled, advantages, args.clip, base, args.kl_coef)
 
         model.train()
-        for _ in range(args.ppo_epochs):  # no PPO ratio+clip needed at 1 epoch: we are on policy
+        for _ in range(args.ppo_epochs):  # at 1 epoch, on policy: the ratio is 1, no clip acts
             loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, *passes,
                                                      sampled=sampled, advantages=advantages,
                                                      base=base)
@@ -122,9 +126,10 @@ def main(argv=None, reward_fn=exact_answer_reward):
         p95 = torch.tensor(cli.joined(metrics.pop("gaps").tolist())).quantile(0.95).item()
         groups = torch.tensor(rewards).view(-1, args.group_size)
         # the states RL trains on are the policy's own: their NLL is that of its samples
-        run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens, sampler_gap_p95=p95,
-                     **metrics),
-                reward=(sum(rewards), len(rewards)), no_signal_frac=((groups.std(1) == 0).sum().item(), len(groups)),
+        run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
+                     sampler_gap_p95=p95, **metrics),
+                reward=(sum(rewards), len(rewards)),
+                no_signal_frac=((groups.std(1) == 0).sum().item(), len(groups)),
                 completion_len=(sum(map(len, sampled)), len(rollouts)),
                 state_nll=(-sum(map(sum, (r.logprobs for r in rollouts))), sum(map(len, sampled))),
                 state_nll_base=train.base_nll(base))

@@ -27,7 +27,8 @@ from tqdm import tqdm
 import cli
 import lora
 import provenance
-from model import InputError, read_safetensors_file, write_atomic, write_json
+from model import (InputError, load, model_folder, read_config, read_safetensors_file,
+                   write_atomic, write_json)
 
 try:
     import fcntl
@@ -154,6 +155,27 @@ def check_run_folder(folder, model, also=""):
     provenance.check_same_base(folder, model)
     if provenance.run_record(folder) is not None and not run_finished(folder):
         print(f"note: the run in {folder} has not finished (stopped before its last step); using its last adapter")
+
+
+def load_teacher(model, tok, teacher, base):
+    """(teacher model, its adapter): adapter 'teacher' on the student's shared base, the base
+    itself (adapter None), or another model of the same tokenizer in a copy of its own."""
+    if os.path.isdir(teacher) and not os.path.isfile(os.path.join(teacher, "config.json")):
+        check_run_folder(teacher, base, also=", or a model folder (config.json)")
+        lora.load_adapter(model, teacher, name="teacher", activate=False)
+        return model, "teacher"
+    if provenance.same_model(teacher, base):  # the base itself, however spelt: no second copy
+        return model, None
+    folder = model_folder(teacher, "--teacher")
+    # token ids pass between the two models both ways, and their logits meet column by column
+    mismatch = InputError(f"--teacher {teacher} has another tokenizer or vocabulary than "
+                            f"--model {base}; pick a teacher of the student's model family")
+    if read_config(folder).vocab_size != model.config.vocab_size:
+        raise mismatch
+    net, teacher_tok = load(folder, model.lm_head.weight.device, model.lm_head.weight.dtype)
+    if teacher_tok.tok.get_vocab() != tok.tok.get_vocab():
+        raise mismatch
+    return net, None
 
 
 class RunFolder:

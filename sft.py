@@ -5,10 +5,9 @@ State source:  fixed dataset trajectories, d_data. Every training state is a pre
                GSM8K train solution, "Question: ...\\nAnswer:" plus the first t gold answer
                tokens; the learner's own behaviour never decides which states it sees.
 Signal source: the gold next token at each of those states (cross-entropy on the answer
-               tokens only; the prompt is masked; end-of-text appended so the model learns
-               to stop).
+               tokens, the prompt masked, end-of-text appended so the model learns to stop).
 --answers samples: rejection sampling (Yuan et al. 2023, arXiv 2308.01825): the same loss on
-               the base's own right samples (--samples-per-prompt a prompt, --max-new-tokens long).
+               the base's own right samples (--samples-per-prompt each, --max-new-tokens long).
 
 Presets (docs/paper.md): `mild` (ours: the paper gives none) and `stress` (the paper's).
 
@@ -31,15 +30,14 @@ PRESETS = {"mild": dict(epochs=1, lr=1e-4, rank=16, alpha=32),
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--preset", choices=sorted(PRESETS), default="mild", help="hyperparameter set; flags override it")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="mild", help="flags override it")
     p.add_argument("--out", default=None, help="run folder (default: out/<preset>)")
-    p.add_argument("--epochs", type=cli.number(float, 0, above=True), default=None, help="passes over the training set")
-    p.add_argument("--batch-size", type=cli.number(int, 1), default=16, help="sequences per optimizer step")
-    p.add_argument("--max-length", type=cli.number(int, 2), default=512,
-                   help="longest training sequence in tokens (longer ones are cut)")
-    p.add_argument("--train-limit", type=cli.number(int, 0), default=0,
-                   help="use the first N GSM8K train examples (0 = all 7,473)")
+    p.add_argument("--epochs", type=cli.number(float, 0, above=True), default=None)
+    p.add_argument("--batch-size", type=cli.number(int, 1), default=16, help="sequences a step")
+    p.add_argument("--max-length", type=cli.number(int, 2), default=512, help="longer ones cut")
+    p.add_argument("--train-limit", type=cli.number(int, 0), default=0, help="first N (0: all)")
     p.add_argument("--answers", choices=["gold", "samples"], default="gold", help="(above)")
     p.add_argument("--samples-per-prompt", type=cli.number(int, 1), default=4, help="(above)")
     p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="(above)")
@@ -56,21 +54,23 @@ def main(argv=None):
     device, dtype = cli.resolve(args, args.out if args.resume else None)
     run = runs.RunFolder(args.out, vars(args))
     model, tok = M.load(args.model, device, dtype)
-    optimizer = train.adapter_and_optimizer(model, args)
+    optimizer = train.adapter_and_optimizer(model, args.rank, args.alpha, args.lora_dropout,
+                                            args.lr, args.weight_decay, args.seed, args.recompute)
 
     # the state source: (prompt, answer + end-of-text) pairs, the dataset's or the base's own
     rows = data.load_gsm8k("train", args.data_dir)[:args.train_limit or None]  # 0: all
-    pairs = ([data.gsm8k_gold_ids(tok, r) for r in rows] if args.answers == "gold"
-             else right_samples(model, tok, rows, args))
+    pairs = ([data.gsm8k_gold_ids(tok, r) for r in rows] if args.answers == "gold" else
+             right_samples(model, tok, rows, args.samples_per_prompt, args.max_new_tokens,
+                           args.seed))
     examples = data.sft_examples(pairs, args.max_length)  # (ids, where the answer starts) each
-    total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule; --max-steps stops early
+    total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule
     end = min(total, args.max_steps) if args.max_steps else total
     passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
 
-    base_logp = {}  # example -> the base's log-probs of its answer, which no step changes: measured once
+    base_logp = {}  # example -> the base's log-probs of its answer: no step changes them
     for step in run.steps(model, optimizer, end, "sft"):
         picked = data.batch_indices(len(examples), step, args.batch_size, args.seed)
-        picked = picked[slice(*cli.split(len(picked), "--batch-size"))]  # under torchrun, this process's share
+        picked = picked[slice(*cli.split(len(picked), "--batch-size"))]  # torchrun: a share
         sequences, starts = [examples[i][0] for i in picked], [examples[i][1] for i in picked]
 
         # the signal: the gold next token at every state of the answer
@@ -80,23 +80,23 @@ def main(argv=None):
         run.check_finite(step + 1, loss)
         lr, grad_norm = train.optimizer_step(optimizer, step, total, args.lr, args.warmup,
                                              args.grad_clip)
-        # the states SFT trains on are dataset prefixes, so their NLL under the learner is the loss itself
+        # SFT's states are dataset prefixes: their NLL under the learner is the loss itself
         new = [k for k, i in enumerate(picked) if i not in base_logp]
         seqs, sts = [sequences[k] for k in new], [starts[k] for k in new]
         logprobs = train.base_logprobs(model, seqs, sts, tok.pad_id, *passes)
         base_logp.update((picked[k], lp) for k, lp in zip(new, logprobs))
-        run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss, state_nll=loss, lr=lr,
-                     grad_norm=grad_norm, tokens=n_tokens),
+        run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss,
+                     state_nll=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens),
                 state_nll_base=train.base_nll([base_logp[i] for i in picked]))
     print(f"done: adapter in {args.out}")
 
 
-def right_samples(model, tok, rows, args):
-    """(prompt, answer + end-of-text) ids of the base's samples that are right, cut at a stop."""
+def right_samples(model, tok, rows, n, max_new_tokens, seed):
+    """(prompt, answer + end-of-text) ids of the base's right samples (n a row), cut at a stop."""
     prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
     with lora.use_adapter(model.eval(), None):
-        drawn = generate(model, tok, prompts, n=args.samples_per_prompt, temperature=1.0,
-                         max_new_tokens=args.max_new_tokens, stop=data.GSM8K_STOP, seed=args.seed)
+        drawn = generate(model, tok, prompts, n=n, temperature=1.0, seed=seed,
+                         max_new_tokens=max_new_tokens, stop=data.GSM8K_STOP)
     right = [r for r in drawn if data.is_correct(r.text, rows[r.prompt_index]["gold"])]  # RL's
     print(f"--answers samples: {len(right)} of {len(drawn)} samples right")
     if not right:

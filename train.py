@@ -285,11 +285,11 @@ def optimizer_step(optimizer, step, total_steps, peak_lr, warmup=0.0, grad_clip=
     return lr, grad_norm
 
 
-def adapter_and_optimizer(model, args):
+def adapter_and_optimizer(model, rank, alpha, dropout, lr, weight_decay, seed, recompute):
     """The adapter a run trains: a fresh LoRA 'default' on model, its A matrices drawn from
-    --seed, and AdamW over its parameters."""
-    torch.manual_seed(args.seed)
-    lora.add_lora(model, args.rank, args.alpha, args.lora_dropout)
-    model.recompute = args.recompute
-    params = lora.lora_parameters(model)
-    return torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    seed, and AdamW over its parameters; recompute: keep only each layer's input for the
+    backward pass."""
+    torch.manual_seed(seed)
+    lora.add_lora(model, rank, alpha, dropout)
+    model.recompute = recompute
+    return torch.optim.AdamW(lora.lora_parameters(model), lr=lr, weight_decay=weight_decay)

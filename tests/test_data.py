@@ -312,21 +312,3 @@ def test_two_fetches_at_once_both_finish_with_the_layout(server, tmp_path, monke
     assert errors == []
     assert listing(tmp_path / "cache") == ["gsm8k/test.jsonl", "gsm8k/train.jsonl", "mmlu/dev/toy_subject_dev.csv",
                                            "mmlu/test/toy_subject_test.csv", "truthfulqa/mc_task.json"]
-
-
-def test_a_state_source_mixture_draws_each_prompts_source_by_its_place_in_the_step():
-    import model as M
-    assert data.state_mixture("teacher") == {"teacher": 1.0}
-    assert data.state_mixture("student=0.25, data=0.75") == {"student": 0.25, "data": 0.75}
-    for bad in ("students", "student=0.5,data=0.6", "student=x", "student=0.5=1", "data=-0.5,student=1.5"):
-        with pytest.raises(M.InputError, match=r"--state-source .*: give student, teacher or data, or weights of them "
-                                               r"that sum to 1, e\.g\. student=0\.25,data=0\.75"):
-            data.state_mixture(bad)
-    weights = {"student": 0.25, "data": 0.75}
-    picks = data.state_sources(weights, 4000, (0, 7, 0))
-    assert abs(picks.count("student") / 4000 - 0.25) < 0.03 and set(picks) == {"student", "data"}
-    # a step's prompts split over two processes (first 0 and first 4) draw what one process draws
-    assert data.state_sources(weights, 8, (3, 5, 0)) == data.state_sources(weights, 4, (3, 5, 0)) + \
-        data.state_sources(weights, 4, (3, 5, 4))
-    assert data.state_sources(weights, 8, (3, 5, 0)) != data.state_sources(weights, 8, (3, 6, 0))  # step by step anew
-    assert data.state_sources({"teacher": 1.0}, 5, (0, 0, 0)) == ["teacher"] * 5

@@ -143,13 +143,12 @@ def test_opd_logit_kl_is_zero_when_the_teacher_is_the_student(tiny_model, data_d
 
 
 def test_a_teacher_that_is_the_base_model_however_spelt_shares_the_students_copy(tiny_model, tmp_path):
-    import argparse
     model, tok = M.load(tiny_model)
     relative = os.path.relpath(tiny_model)
     for spelt in (tiny_model, tiny_model + "/", relative, os.path.join(relative, ".")):
-        assert opd.load_teacher(model, tok, argparse.Namespace(teacher=spelt, model=tiny_model)) == (model, None), spelt
+        assert runs.load_teacher(model, tok, spelt, tiny_model) == (model, None), spelt
     os.symlink(tiny_model, tmp_path / "linked")
-    assert opd.load_teacher(model, tok, argparse.Namespace(teacher=str(tmp_path / "linked"), model=tiny_model))[0] is model
+    assert runs.load_teacher(model, tok, str(tmp_path / "linked"), tiny_model)[0] is model
 
 
 def test_opd_logit_kl_reads_a_separate_teachers_logits_from_its_own_output_layer(tiny_model, data_dir, tmp_path):
@@ -400,3 +399,23 @@ def test_a_state_source_that_is_neither_a_source_nor_a_mixture_is_refused_in_one
         with pytest.raises(M.InputError, match=f"--state-source '{bad}': give student, teacher or data, or weights"):
             opd.main(common(tiny_model, data_dir, tmp_path / "x", "--teacher", tiny_model, "--state-source", bad))
     assert not (tmp_path / "x").exists()  # refused before anything was made
+
+
+SOURCES = ("student", "teacher", "data")
+
+
+def test_a_state_source_mixture_draws_each_prompts_source_by_its_place_in_the_step():
+    assert cli.mixture("teacher", SOURCES, "--state-source") == {"teacher": 1.0}
+    assert cli.mixture("student=0.25, data=0.75", SOURCES, "--state-source") == {"student": 0.25, "data": 0.75}
+    for bad in ("students", "student=0.5,data=0.6", "student=x", "student=0.5=1", "data=-0.5,student=1.5", "student=nan,data=nan"):
+        with pytest.raises(M.InputError, match=r"--state-source .*: give student, teacher or data, or weights of them "
+                                               r"that sum to 1, e\.g\. student=0\.25,data=0\.75"):
+            cli.mixture(bad, SOURCES, "--state-source")
+    weights = {"student": 0.25, "data": 0.75}
+    picks = opd.state_sources(weights, 4000, (0, 7, 0))
+    assert abs(picks.count("student") / 4000 - 0.25) < 0.03 and set(picks) == {"student", "data"}
+    # a step's prompts split over two processes (first 0 and first 4) draw what one process draws
+    assert opd.state_sources(weights, 8, (3, 5, 0)) == opd.state_sources(weights, 4, (3, 5, 0)) + \
+        opd.state_sources(weights, 4, (3, 5, 4))
+    assert opd.state_sources(weights, 8, (3, 5, 0)) != opd.state_sources(weights, 8, (3, 6, 0))  # step by step anew
+    assert opd.state_sources({"teacher": 1.0}, 5, (0, 0, 0)) == ["teacher"] * 5
