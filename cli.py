@@ -12,7 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from model import DEFAULT_MODEL, InputError, read_json
+from files import InputError, read_json
+from model import DEFAULT_MODEL
 
 
 # -----------------------------------------------------------------------------

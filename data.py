@@ -23,7 +23,7 @@ import tempfile
 import urllib.request
 import uuid
 
-from model import InputError
+from files import InputError
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "states")
 RAW = "https://raw.githubusercontent.com"

@@ -7,9 +7,8 @@ chunks, the tokenizer, and load()/save().
 Module names are Hugging Face's (model.layers.N.self_attn.q_proj, ...), so an official
 model.safetensors loads with load_state_dict and no name map, and LoRA keys match PEFT's.
 Numerics follow transformers' Qwen3ForCausalLM (tests/test_model.py checks the parity).
-This file imports nothing of the project.
+Of the project it imports files.py alone: reading and writing files.
 """
-import json
 import os
 from dataclasses import asdict, dataclass, fields
 
@@ -18,12 +17,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from files import InputError, read_json, read_safetensors_file, write_atomic, write_json
+
 DEFAULT_MODEL = "Qwen/Qwen3-0.6B-Base"
-
-
-class InputError(ValueError):
-    """A mistake in what the user passed, not in the code: its message names the problem and
-    the fix, and a script ends with that one line instead of a traceback (cli.run_script)."""
 
 
 # -----------------------------------------------------------------------------
@@ -49,22 +45,28 @@ class Qwen3Config:
     @classmethod
     def from_dict(cls, d, source="config.json"):
         d = dict(d)
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}  # transformers >= 5 writes rope_parameters
+        # transformers >= 5 writes rope_parameters
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         d.setdefault("rope_theta", rope.get("rope_theta"))
         if rope.get("rope_type", "default") != "default":
-            raise InputError(f"{source}: rope type {rope['rope_type']!r} is not supported; only plain rotary embeddings are")
+            raise InputError(f"{source}: rope type {rope['rope_type']!r} is not supported; only "
+                             f"plain rotary embeddings are")
         if d.get("use_sliding_window"):
             raise InputError(f"{source}: use_sliding_window=true is not supported; set it to false")
         if d.get("model_type", "qwen3") != "qwen3":
-            raise InputError(f"{source}: model_type is {d['model_type']!r}; this file implements 'qwen3' only")
-        required = [f.name for f in fields(cls) if f.name not in ("attention_bias", "eos_token_id", "pad_token_id")]
+            raise InputError(f"{source}: model_type is {d['model_type']!r}; this file implements "
+                             f"'qwen3' only")
+        optional = ("attention_bias", "eos_token_id", "pad_token_id")
+        required = [f.name for f in fields(cls) if f.name not in optional]
         missing = [n for n in required if d.get(n) is None]
         if missing:
-            raise InputError(f"{source}: missing field(s) {', '.join(missing)}; is this a Qwen3 config.json?")
+            raise InputError(f"{source}: missing field(s) {', '.join(missing)}; is this a Qwen3 "
+                             f"config.json?")
         eos = d.get("eos_token_id")  # of several stop ids, the first is end-of-text
         eos = eos[0] if isinstance(eos, list) else eos
-        return cls(**{n: d[n] for n in required}, attention_bias=bool(d.get("attention_bias", False)),
-                   eos_token_id=eos, pad_token_id=d.get("pad_token_id"))
+        return cls(**{n: d[n] for n in required}, eos_token_id=eos,
+                   attention_bias=bool(d.get("attention_bias", False)),
+                   pad_token_id=d.get("pad_token_id"))
 
 
 # -----------------------------------------------------------------------------
@@ -84,7 +86,8 @@ class RMSNorm(nn.Module):
 
 def rotary(positions, head_dim, theta, dtype):
     """cos and sin (B, 1, T, head_dim) of the rotary angles at positions (B, T), in fp32 first."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).float() / head_dim)
+    dims = torch.arange(0, head_dim, 2, device=positions.device).float()
+    inv_freq = 1.0 / theta ** (dims / head_dim)
     angles = positions.float()[..., None] * inv_freq  # (B, T, head_dim / 2)
     emb = torch.cat([angles, angles], -1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -103,14 +106,15 @@ class KVCache:
 
     def __init__(self, config, batch_size, max_len, device, dtype):
         shape = (batch_size, config.num_key_value_heads, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_hidden_layers)]
+        layers = range(config.num_hidden_layers)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in layers]
         self.length, self.max_len = 0, max_len
         self.write_pos = None  # a 1-element tensor in fixed-shape decoding (Qwen3.decode_step)
 
     def update(self, layer, k, v):
         """Write the new keys and values (B, n_kv, T, head_dim); return all written so far."""
-        if self.write_pos is not None:  # at a position held in a tensor: one CUDA graph serves every step
+        if self.write_pos is not None:  # a position held in a tensor: one CUDA graph, every step
             self.k[layer].index_copy_(2, self.write_pos, k)
             self.v[layer].index_copy_(2, self.write_pos, v)
             return self.k[layer], self.v[layer]
@@ -132,31 +136,35 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer_idx):
         super().__init__()
         self.layer_idx = layer_idx
-        self.n_head, self.n_kv, self.hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_head, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.hd = cfg.head_dim
         bias = cfg.attention_bias
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_head * self.hd, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.hd, bias=bias)
         self.o_proj = nn.Linear(self.n_head * self.hd, cfg.hidden_size, bias=bias)
-        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)  # per head, before rotary: Qwen3's addition over Qwen2
+        # per head, before rotary: Qwen3's addition over Qwen2
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache):
         B, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.hd)).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)  # (B, nkv, T, hd)
+        q = self.q_norm(self.q_proj(x).view(B, T, self.n_head, self.hd)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(B, T, self.n_kv, self.hd)).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.hd).transpose(1, 2)  # (B, nkv, T, hd)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)  # (B, nkv, past + T, hd)
-        if mask is None:  # plain causal attention; each key/value head serves n_head / n_kv query heads
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=self.n_kv != self.n_head)
+        if mask is None:  # plain causal attention; a key/value head serves n_head / n_kv queries
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=T > 1,
+                                               enable_gqa=self.n_kv != self.n_head)
         else:  # the query heads of one key/value head side by side, each with its mask row: the
-            # keys are read once for all of them, not copied for each (SDPA's grouped heads take no mask)
+            # keys are read once for all of them, not copied (SDPA's grouped heads take no mask)
             rep = self.n_head // self.n_kv
             y = F.scaled_dot_product_attention(q.reshape(B, self.n_kv, rep * T, self.hd), k, v,
                                                attn_mask=mask.repeat(1, 1, rep, 1))
-        return self.o_proj(y.reshape(B, self.n_head, T, self.hd).transpose(1, 2).reshape(B, T, self.n_head * self.hd))
+        y = y.reshape(B, self.n_head, T, self.hd).transpose(1, 2)
+        return self.o_proj(y.reshape(B, T, self.n_head * self.hd))
 
 
 def swiglu(gate, up):
@@ -170,10 +178,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x):  # with a gradient, backward recomputes silu(gate) instead of keeping it: cheap, less memory
+    def forward(self, x):  # with a gradient, backward recomputes silu(gate): less memory
         gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(checkpoint(swiglu, gate, up, use_reentrant=False) if torch.is_grad_enabled()
-                              else swiglu(gate, up))
+        if torch.is_grad_enabled():
+            return self.down_proj(checkpoint(swiglu, gate, up, use_reentrant=False))
+        return self.down_proj(swiglu(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -209,12 +218,13 @@ class Qwen3(nn.Module):
         self.config = cfg
         self.model = nn.Module()  # a container, so that parameter names are Hugging Face's
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.model.layers = nn.ModuleList(DecoderLayer(cfg, i)
+                                          for i in range(cfg.num_hidden_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.recompute = False  # True: layers keep only their inputs for backward and run again there
+        self.recompute = False  # True: layers keep only their inputs, and run again in backward
 
     def forward(self, input_ids, attention_mask=None, cache=None, hidden_only=False):
         """input_ids (B, T); attention_mask (B, past + T), 1 for real tokens and 0 for left
@@ -223,11 +233,11 @@ class Qwen3(nn.Module):
         logits only where it needs them."""
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
-        if attention_mask is None and past == 0:  # every row real from its start: plain causal attention
+        if attention_mask is None and past == 0:  # every row real from its start: plain causal
             positions, mask = torch.arange(T, device=input_ids.device).expand(B, T), None
         else:
             if attention_mask is None:
-                attention_mask = torch.ones(B, past + T, dtype=torch.long, device=input_ids.device)
+                attention_mask = input_ids.new_ones(B, past + T)
             positions, mask = positions_and_mask(attention_mask, T)
         x = self.body(input_ids, positions, mask, cache)
         if cache is not None:
@@ -239,7 +249,8 @@ class Qwen3(nn.Module):
         cos, sin = rotary(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         for layer in self.model.layers:
             if self.recompute and cache is None and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False)  # same gradients, less memory
+                # the same gradients, less memory
+                x = checkpoint(layer, x, cos, sin, mask, None, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, cache)
         return self.model.norm(x)
@@ -273,7 +284,8 @@ class TokenLogprobs(torch.autograd.Function):
         lse = torch.empty_like(picked)
         for c in (slice(i, i + chunk) for i in range(0, len(hidden), chunk)):
             logits = F.linear(hidden[c], weight).float()
-            picked[c], lse[c] = logits.gather(-1, targets[c, None]).squeeze(-1), logits.logsumexp(-1)
+            picked[c] = logits.gather(-1, targets[c, None]).squeeze(-1)
+            lse[c] = logits.logsumexp(-1)
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.chunk = chunk
         return picked - lse
@@ -282,10 +294,11 @@ class TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, weight, targets, lse = ctx.saved_tensors
         grad_hidden = torch.zeros_like(hidden)
-        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None  # toy.py trains the output layer
+        # toy.py's pretraining trains the output layer
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
         for c in (slice(i, i + ctx.chunk) for i in range(0, len(hidden), ctx.chunk)):
             g = F.linear(hidden[c], weight).float().sub_(lse[c, None]).exp_()  # softmax
-            g.scatter_add_(-1, targets[c, None], -torch.ones_like(lse[c, None]))  # minus onehot(target)
+            g.scatter_add_(-1, targets[c, None], -torch.ones_like(lse[c, None]))  # - onehot(target)
             g = g.mul_(-grad[c, None]).to(weight.dtype)
             grad_hidden[c] = g @ weight
             if grad_weight is not None:
@@ -305,7 +318,7 @@ class Tokenizer:
         try:
             self.tok = HFTokenizer.from_file(path)
         except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-            raise InputError(f"{path} is not a readable tokenizer ({e}); restore it or download it again") from None
+            raise InputError(f"{path} is not a readable tokenizer ({e}); restore it") from None
         self.eos_id, self.pad_id = eos_id, eos_id if pad_id is None else pad_id
 
     def encode(self, text):
@@ -321,7 +334,8 @@ class Tokenizer:
 # -----------------------------------------------------------------------------
 # loading and saving
 
-HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json"]
+HUB_FILES = ["config.json", "generation_config.json", "tokenizer.json", "*.safetensors",
+             "model.safetensors.index.json"]
 
 
 def model_folder(name_or_path, flag="--model"):
@@ -330,35 +344,20 @@ def model_folder(name_or_path, flag="--model"):
     if os.path.isdir(name_or_path):
         return name_or_path
     if name_or_path.count("/") != 1 or name_or_path.startswith((".", "/")):
-        raise InputError(f"{flag} {name_or_path!r} is neither a local folder nor a hub id like {DEFAULT_MODEL!r}")
+        raise InputError(f"{flag} {name_or_path!r} is neither a local folder nor a hub id like "
+                         f"{DEFAULT_MODEL!r}")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
     except Exception as e:  # 'out/stress' reads as a hub id too: a mistyped run folder ends up here
-        raise InputError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({type(e).__name__}: "
-                         f"{' '.join(str(e).split())}), and there is no local folder of that name; check the path, or "
-                         f"download the model elsewhere and pass its folder with {flag}") from None
-
-
-def read_json(path):
-    with open(path) as f:
-        try:
-            return json.load(f)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{path} is not valid JSON ({e}); the file is damaged: restore it or write it again") from None
-
-
-def read_safetensors_file(path, device="cpu"):
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    try:
-        return load_file(path, device=str(device))
-    except SafetensorError as e:
-        raise InputError(f"{path} is not a readable safetensors file ({e}); download it or write it again") from None
+        why = f"{type(e).__name__}: {' '.join(str(e).split())}"
+        raise InputError(f"could not fetch {name_or_path!r} from the Hugging Face hub ({why}), and "
+                         f"there is no local folder of that name; check the path, or download the "
+                         f"model elsewhere and pass its folder with {flag}") from None
 
 
 def read_config(folder):
-    path, generation = os.path.join(folder, "config.json"), os.path.join(folder, "generation_config.json")
+    path, generation = (os.path.join(folder, f) for f in ("config.json", "generation_config.json"))
     if not os.path.isfile(path):
         raise InputError(f"{folder}: no config.json; point --model at a Hugging Face model folder")
     d = read_json(path)
@@ -375,16 +374,17 @@ def load_weights(model, state, source):
         state.pop("lm_head.weight", None)  # some exporters write the tied copy too
     for name, t in expected.items():
         if name not in state:
-            raise InputError(f"{source}: tensor {name} is missing; the checkpoint does not match its config.json")
+            raise InputError(f"{source}: tensor {name} is missing; the checkpoint does not match "
+                             f"its config.json")
         if state[name].shape != t.shape:
-            raise InputError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, config.json implies "
-                             f"{tuple(t.shape)}")
+            raise InputError(f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
+                             f"config.json implies {tuple(t.shape)}")
     unexpected = sorted(set(state) - set(expected))
     if unexpected:
-        raise InputError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all); is this a Qwen3 "
-                         f"checkpoint?")
+        raise InputError(f"{source}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all); "
+                         f"is this a Qwen3 checkpoint?")
     model.load_state_dict(state, strict=not model.config.tie_word_embeddings, assign=True)
-    if model.config.tie_word_embeddings:  # assign=True replaced the parameter objects: tie them again
+    if model.config.tie_word_embeddings:  # assign=True replaced the parameters: tie them again
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
@@ -398,35 +398,25 @@ def load(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None):
     config = read_config(folder)
     with torch.device("meta"):  # no memory, no random init: the weights come next
         model = Qwen3(config)
-    index = os.path.join(folder, "model.safetensors.index.json")  # a sharded checkpoint's names its files
-    files = sorted(set(read_json(index)["weight_map"].values())) if os.path.isfile(index) else ["model.safetensors"]
+    index = os.path.join(folder, "model.safetensors.index.json")  # a sharded one names its files
+    files = (sorted(set(read_json(index)["weight_map"].values())) if os.path.isfile(index)
+             else ["model.safetensors"])
     if not all(os.path.isfile(os.path.join(folder, f)) for f in files):
-        raise InputError(f"{folder}: no model.safetensors or model.safetensors.index.json; the weights are missing")
-    state = {k: v.to(dtype) for f in files for k, v in read_safetensors_file(os.path.join(folder, f), device).items()}
+        raise InputError(f"{folder}: no model.safetensors or model.safetensors.index.json; the "
+                         f"weights are missing")
+    state = {k: v.to(dtype) for f in files
+             for k, v in read_safetensors_file(os.path.join(folder, f), device).items()}
     load_weights(model, state, folder)
     model.eval().requires_grad_(False)
     model.name_or_path = name_or_path
     tokenizer = os.path.join(folder, "tokenizer.json")
     if not os.path.isfile(tokenizer):
-        raise InputError(f"{folder}: no tokenizer.json; the model folder needs its tokenizer file too")
+        raise InputError(f"{folder}: no tokenizer.json; the model folder needs its tokenizer file "
+                         f"too")
     if config.eos_token_id is None:
-        raise InputError(f"{folder}: no eos_token_id in generation_config.json or config.json; add it")
+        raise InputError(f"{folder}: no eos_token_id in generation_config.json or config.json; "
+                         f"add it")
     return model, Tokenizer(tokenizer, config.eos_token_id, config.pad_token_id)
-
-
-def write_atomic(path, write):
-    """write(temporary path), then rename: a crash never leaves a half-written file."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def write_json(path, obj):
-    write_atomic(path, lambda p: open(p, "w").write(json.dumps(obj, indent=2) + "\n"))
 
 
 def save(model, folder, tokenizer_path=None):
@@ -437,14 +427,18 @@ def save(model, folder, tokenizer_path=None):
     os.makedirs(folder, exist_ok=True)
     cfg = {k: v for k, v in asdict(model.config).items() if v is not None}
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_word_embeddings:  # safetensors refuses shared tensors; the tie is in config.json
+    if model.config.tie_word_embeddings:  # safetensors refuses shared tensors: config.json ties
         state.pop("lm_head.weight")
-    write_atomic(os.path.join(folder, "model.safetensors"), lambda p: save_file(state, p, metadata={"format": "pt"}))
-    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu", **cfg,
+    write_atomic(os.path.join(folder, "model.safetensors"),
+                 lambda p: save_file(state, p, metadata={"format": "pt"}))
+    config = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+              **cfg,
               "bos_token_id": cfg["eos_token_id"], "use_sliding_window": False,
               "torch_dtype": str(model.lm_head.weight.dtype).removeprefix("torch.")}
     write_json(os.path.join(folder, "config.json"), config)
-    write_json(os.path.join(folder, "generation_config.json"), {k: config[k] for k in ("eos_token_id", "bos_token_id")})
-    if tokenizer_path and os.path.abspath(tokenizer_path) != os.path.abspath(os.path.join(folder, "tokenizer.json")):
+    ids = ("eos_token_id", "bos_token_id")
+    write_json(os.path.join(folder, "generation_config.json"), {k: config[k] for k in ids})
+    copy = os.path.abspath(os.path.join(folder, "tokenizer.json"))
+    if tokenizer_path and os.path.abspath(tokenizer_path) != copy:
         shutil.copy(tokenizer_path, os.path.join(folder, "tokenizer.json"))
     return folder

@@ -12,7 +12,7 @@ import json
 import os
 
 import lora
-from model import InputError, read_json
+from files import InputError, read_json
 
 # the flags that decide each kind of result: an eval.json column, a drift.json
 FLAGS = {"gsm8k": ("gsm8k_limit", "max_new_tokens"),
@@ -81,7 +81,8 @@ def check_measured_alike(path, kinds, settings):
     same model: forgetting compares a run with its base on the very same questions."""
     base = read_json(path)
     for kind in (k for k in kinds if k in base):
-        difference = first_difference(base[kind].get("fingerprint", {}), fingerprint(kind, settings))
+        recorded = base[kind].get("fingerprint", {})
+        difference = first_difference(recorded, fingerprint(kind, settings))
         if difference:
             flag, theirs, ours = difference
             raise InputError(f"{path} scored {kind} with {flag} {theirs}, this evaluation with "
@@ -156,7 +157,8 @@ def check_trained_as(folder, model, settings, ignore, what):
     check_same_base(folder, model)
     if teacher_changed(folder):
         raise InputError(f"{folder} was distilled from an earlier adapter of its teacher than the "
-                         f"one there now; delete the folder to train it again, or pass another --out")
+                         f"one there now; delete the folder to train it again, or pass another "
+                         f"--out")
     changed = changed_settings(folder, settings, ignore)
     if changed:
         raise InputError(f"{folder} was trained with other settings than {what} "

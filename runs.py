@@ -27,8 +27,8 @@ from tqdm import tqdm
 import cli
 import lora
 import provenance
-from model import (InputError, load, model_folder, read_config, read_safetensors_file,
-                   write_atomic, write_json)
+from files import InputError, read_safetensors_file, write_atomic, write_json
+from model import load, model_folder, read_config
 
 try:
     import fcntl
