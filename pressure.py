@@ -15,6 +15,7 @@ import re
 import statistics
 
 import cli
+import figures
 import lora
 import model as M
 import provenance
@@ -41,7 +42,8 @@ def parse_name(name):
 def degenerate(folder):
     """Whether the run's own states moved away while it trained: the mean state_nll_base of its
     last fifth of steps exceeds that of its first fifth by more than JUMP."""
-    nll = [r["state_nll_base"] for r in runs.read_log(os.path.join(folder, "log.jsonl")) if "state_nll_base" in r]
+    log = runs.read_log(os.path.join(folder, "log.jsonl"))
+    nll = [r["state_nll_base"] for r in log if "state_nll_base" in r]
     k = max(1, len(nll) // 5)
     return len(nll) >= 2 and sum(nll[-k:]) / k - sum(nll[:k]) / k > JUMP
 
@@ -49,8 +51,9 @@ def degenerate(folder):
 def snapshots(folder):
     """A finished run's snapshot folders before its last step (the last is the run itself)."""
     root, last = os.path.join(folder, "snapshots"), provenance.run_record(folder)["finished_steps"]
-    return [os.path.join(root, s) for s in sorted(os.listdir(root)) if s != f"step-{last:06d}"] if os.path.isdir(
-        root) else []
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, s) for s in sorted(os.listdir(root)) if s != f"step-{last:06d}"]
 
 
 def snapshot_points(folder, base_gsm8k):
@@ -59,8 +62,9 @@ def snapshot_points(folder, base_gsm8k):
     for f in snapshots(folder):
         if os.path.isfile(os.path.join(f, "eval.json")):
             e = M.read_json(os.path.join(f, "eval.json"))
-            out.append(dict(step=M.read_json(os.path.join(f, "run.json"))["finished_steps"], norm=lora.update_norm(f),
-                            forgetting=e["retention"]["forgetting"], gain=e["gsm8k"]["flexible"] - base_gsm8k))
+            out.append(dict(step=provenance.run_record(f)["finished_steps"],
+                            norm=lora.update_norm(f), forgetting=e["retention"]["forgetting"],
+                            gain=e["gsm8k"]["flexible"] - base_gsm8k))
     return out
 
 
@@ -79,8 +83,8 @@ def collect(root):
                      forgetting=row["forgetting"], gain=row["gsm8k"] - base["gsm8k"]["flexible"])
         bad = degenerate(folder)
         for p in snapshot_points(folder, base["gsm8k"]["flexible"]) + [final]:
-            rows.append(dict(run=row["run"], arm=parsed[0], lr=parsed[1], seed=parsed[2], degenerate=bad,
-                             state_distance=row["state_distance"], **p))
+            rows.append(dict(run=row["run"], arm=parsed[0], lr=parsed[1], seed=parsed[2],
+                             degenerate=bad, state_distance=row["state_distance"], **p))
             if not bad:
                 arms.setdefault(parsed[0], {}).setdefault(parsed[2], []).append(p)
     return base, arms, rows
@@ -106,12 +110,14 @@ def matched(a, b, key, question_se, log=False):
     hi = min(max(p[key] for p in s[seed]) for s in (a, b) for seed in seeds) if seeds else None
     if not seeds or lo >= hi or (log and lo <= 0):
         return dict(verdict="undecided", why="the arms share no range", grid=[])
-    step = (lambda i: lo * (hi / lo) ** (i / (GRID - 1))) if log else (lambda i: lo + (hi - lo) * i / (GRID - 1))
+    def step(i):  # GRID values, evenly spaced (in log space with log)
+        return lo * (hi / lo) ** (i / (GRID - 1)) if log else lo + (hi - lo) * i / (GRID - 1)
     grid = []
     for x in (min(max(step(i), lo), hi) for i in range(GRID)):  # the ends exactly, rounding aside
         d = [interpolate(b[s], key, x, log) - interpolate(a[s], key, x, log) for s in seeds]
         mean = sum(d) / len(d)
-        se = (math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) if len(d) > 1 else question_se)
+        se = (math.sqrt(sum((v - mean) ** 2 for v in d) / (len(d) - 1) / len(d)) if len(d) > 1
+              else question_se)
         grid.append(dict(x=x, d=mean, se=se))
     verdict = ("supported" if all(g["d"] > 2 * g["se"] for g in grid) else
                "refuted" if all(abs(g["d"]) <= 2 * g["se"] for g in grid) else "undecided")
@@ -121,27 +127,31 @@ def matched(a, b, key, question_se, log=False):
 def question_se(base):
     """One seed's standard error of a difference of two forgetting values: the questions' noise."""
     m, t = base["mmlu"]["acc"], base["truthfulqa"]["mc1"]
-    return 0.5 * math.sqrt(2 * m * (1 - m) / base["mmlu"]["n"] + 2 * t * (1 - t) / base["truthfulqa"]["n"])
+    return 0.5 * math.sqrt(2 * m * (1 - m) / base["mmlu"]["n"]
+                           + 2 * t * (1 - t) / base["truthfulqa"]["n"])
 
 
 def reading(root):
     """pressure.json's content: the points, precondition C, and the two matched comparisons."""
     base, arms, rows = collect(root)
-    per_run = {(r["arm"], r["run"]): r["state_distance"] for r in rows if r["state_distance"] is not None}
-    dist = {arm: [d for (a, _), d in per_run.items() if a == arm] for arm in ("student", "data")}  # a run once
+    per_run = {(r["arm"], r["run"]): r["state_distance"] for r in rows
+               if r["state_distance"] is not None}  # a run once
+    dist = {arm: [d for (a, _), d in per_run.items() if a == arm] for arm in ("student", "data")}
     mean = {arm: sum(v) / len(v) if v else None for arm, v in dist.items()}
     c = None not in mean.values() and mean["data"] - mean["student"] >= 0.3
     se = question_se(base)
     out = dict(points=rows, state_distance=mean, precondition=c, question_se=se)
     for key, log in (("norm", True), ("gain", False)):
-        out[f"matched_{key}"] = (matched(arms.get("student", {}), arms.get("data", {}), key, se, log) if c else
-                                 dict(verdict="not tested", why="precondition C fails", grid=[]))
+        out[f"matched_{key}"] = (
+            matched(arms.get("student", {}), arms.get("data", {}), key, se, log) if c else
+            dict(verdict="not tested", why="precondition C fails", grid=[]))
     return out
 
 
 def ends(points):
-    """Per (arm, lr), the runs' last points over seeds: seeds, and the mean (and standard deviation
-    over seeds) of update norm, forgetting, GSM8K gain and state distance; degenerate runs counted."""
+    """Per (arm, lr), the runs' last points over seeds: seeds, and the mean (and standard
+    deviation over seeds) of update norm, forgetting, GSM8K gain and state distance;
+    degenerate runs counted."""
     last = {}
     for p in points:
         if p["step"] >= last.get(p["run"], p)["step"]:
@@ -154,43 +164,50 @@ def ends(points):
         row = dict(arm=arm, lr=lr, seeds=len(group), degenerate=sum(p["degenerate"] for p in group))
         for k in ("norm", "forgetting", "gain", "state_distance"):
             values = [p[k] for p in group if p[k] is not None]
-            row[k] = (statistics.mean(values) if values else None, statistics.stdev(values) if len(values) > 1 else None)
+            row[k] = (statistics.mean(values) if values else None,
+                      statistics.stdev(values) if len(values) > 1 else None)
         rows.append(row)
     return rows
 
 
 def markdown(r):
-    lines = ["# The pressure study", "", "The end of each run over seeds, mean±standard deviation:", "",
-             "| arm | lr | seeds | update norm | forgetting | GSM8K gain | state distance | degenerate |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["# The pressure study", "",
+             "The end of each run over seeds, mean±standard deviation:", "",
+             "| arm | lr | seeds | update norm | forgetting | GSM8K gain | state distance | "
+             "degenerate |", "|---|---|---|---|---|---|---|---|"]
     for e in ends(r["points"]):
         marked = f"{e['degenerate']} of {e['seeds']}" if e["degenerate"] else ""
-        cells = [results.fmt(e[k][0], spec, e[k][1]) for k, spec in
-                 (("norm", ".1f"), ("forgetting", ".3f"), ("gain", ".3f"), ("state_distance", ".2f"))]
-        lines.append(f"| {e['arm']} | {e['lr']:g} | {e['seeds']} | {' | '.join(cells)} | {marked} |")
-    lines += ["", "Every point (a run's snapshots and its end):", "", "| run | arm | lr | seed | step | update norm | "
-              "forgetting | GSM8K gain | state distance | degenerate |", "|---|---|---|---|---|---|---|---|---|---|"]
+        specs = (("norm", ".1f"), ("forgetting", ".3f"), ("gain", ".3f"), ("state_distance", ".2f"))
+        cells = [results.fmt(e[k][0], spec, e[k][1]) for k, spec in specs]
+        lines.append(f"| {e['arm']} | {e['lr']:g} | {e['seeds']} | {' | '.join(cells)} | "
+                     f"{marked} |")
+    lines += ["", "Every point (a run's snapshots and its end):", "",
+              "| run | arm | lr | seed | step | update norm | forgetting | GSM8K gain | "
+              "state distance | degenerate |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in r["points"]:
         sd = "-" if p["state_distance"] is None else f"{p['state_distance']:.2f}"
-        lines.append(f"| {p['run']} | {p['arm']} | {p['lr']:g} | {p['seed']} | {p['step']} | {p['norm']:.2f} | "
-                     f"{p['forgetting']:.3f} | {p['gain']:+.3f} | {sd} | {'yes' if p['degenerate'] else ''} |")
+        lines.append(f"| {p['run']} | {p['arm']} | {p['lr']:g} | {p['seed']} | {p['step']} | "
+                     f"{p['norm']:.2f} | {p['forgetting']:.3f} | {p['gain']:+.3f} | {sd} | "
+                     f"{'yes' if p['degenerate'] else ''} |")
     sd = r["state_distance"]
-    lines += ["", f"Precondition C (the student arm's states lie at least 0.3 nats nearer the base than the data "
-              f"arm's): student {results.fmt(sd['student'], '.2f')}, data {results.fmt(sd['data'], '.2f')}: "
-              f"{'holds' if r['precondition'] else 'fails'}. One seed's standard error: {r['question_se']:.3f}."]
+    lines += ["", f"Precondition C (the student arm's states lie at least 0.3 nats nearer the base "
+              f"than the data arm's): student {results.fmt(sd['student'], '.2f')}, data "
+              f"{results.fmt(sd['data'], '.2f')}: {'holds' if r['precondition'] else 'fails'}. "
+              f"One seed's standard error: {r['question_se']:.3f}."]
     for key, what in (("norm", "update norm"), ("gain", "GSM8K gain")):
         m = r[f"matched_{key}"]
-        lines += ["", f"P2 at matched {what}: **{m['verdict']}**" + (f" ({m['why']})" if "why" in m else
-                  f", over {m['lo']:.3g} to {m['hi']:.3g}, {m['seeds']} seed(s); d = forgetting(data) - "
-                  f"forgetting(student) (standard error): " + ", ".join(f"{g['d']:+.3f} ({g['se']:.3f})"
-                                                                        for g in m["grid"]))]
+        grid = ", ".join(f"{g['d']:+.3f} ({g['se']:.3f})" for g in m.get("grid", []))
+        over = (f" ({m['why']})" if "why" in m else
+                f", over {m['lo']:.3g} to {m['hi']:.3g}, {m['seeds']} seed(s); d = "
+                f"forgetting(data) - forgetting(student) (standard error): " + grid)
+        lines += ["", f"P2 at matched {what}: **{m['verdict']}**" + over]
     return "\n".join(lines) + "\n"
 
 
 def plot(root, r):
     """pressure.png: forgetting against update norm and against GSM8K gain, one curve per arm
     (the mean over seeds at each learning rate and step, the seeds' range as a band)."""
-    plt = results.pyplot()
+    plt = figures.pyplot()
     if plt is None:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -207,12 +224,14 @@ def plot(root, r):
             y = [sum(p["forgetting"] for p in g) / len(g) for g in groups]
             line, = ax.plot(x, y, "o-", ms=3, label=arm)
             ax.fill_between(x, [min(p["forgetting"] for p in g) for g in groups],
-                            [max(p["forgetting"] for p in g) for g in groups], color=line.get_color(), alpha=0.15)
+                            [max(p["forgetting"] for p in g) for g in groups],
+                            color=line.get_color(), alpha=0.15)
     for p in r["points"]:
         if p["degenerate"]:
             for ax, key in zip(axes, ("norm", "gain")):
                 ax.plot(p[key], p["forgetting"], "x", color="gray")
-    axes[0].set(xscale="log", xlabel="update norm", ylabel="forgetting", title="at matched pressure")
+    axes[0].set(xscale="log", xlabel="update norm", ylabel="forgetting",
+                title="at matched pressure")
     axes[1].set(xlabel="GSM8K gain over the base", title="at matched gain (x: degenerate)")
     axes[0].legend(fontsize=7)
     path = os.path.join(root, "pressure.png")
@@ -233,11 +252,13 @@ def write_report(root):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("root", help="the pressure study's folder (reproduce.py --study pressure)")
     args = p.parse_args(argv)
     if not os.path.isfile(os.path.join(args.root, "eval.json")):
-        raise M.InputError(f"{args.root} holds no base evaluation (eval.json); run python reproduce.py --study pressure")
+        raise M.InputError(f"{args.root} holds no base evaluation (eval.json); run python "
+                           f"reproduce.py --study pressure")
     print(write_report(args.root))
 
 

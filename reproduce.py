@@ -282,7 +282,7 @@ def condition_stages(preset_name, out, name, script, extra, model, common):
     the preset's run now."""
     preset, folder = PRESETS[preset_name], os.path.join(out, name)
     # the preset's flags for the script, then the condition's, then the run's own: the last win
-    flags = [*preset["train"].get(script, []), *preset["train"].get(results.condition(name), [])]
+    flags = [*preset["train"].get(script, []), *preset["train"].get(runs.condition(name), [])]
     argv = [*flags, *extra, "--out", folder, *common]
 
     def trained():

@@ -19,10 +19,10 @@ import argparse
 import itertools
 import os
 import random
-import re
 import statistics
 
 import cli
+import figures
 import lora
 import model as M
 import provenance
@@ -31,25 +31,27 @@ import runs
 # Table 2 of the paper (Nie 2026, arXiv 2605.22731), keyed by our run folder names
 PAPER = {
     "base": dict(gsm8k=0.448, truthfulqa=0.300, mmlu=0.436),
-    "mild": dict(gsm8k=0.512, truthfulqa=0.295, mmlu=0.444, mmd=0.00956, forgetting=-0.0015, retention=1.0008),
-    "stress": dict(gsm8k=0.420, truthfulqa=0.245, mmlu=0.364, mmd=0.01093, forgetting=0.0635, retention=0.8258),
-    "opd-mild": dict(gsm8k=0.512, truthfulqa=0.290, mmlu=0.434, mmd=0.01470, forgetting=0.0060, retention=0.9810),
-    "opd-stress": dict(gsm8k=0.466, truthfulqa=0.275, mmlu=0.430, mmd=0.01092, forgetting=0.0155, retention=0.9515),
+    "mild": dict(gsm8k=0.512, truthfulqa=0.295, mmlu=0.444, mmd=0.00956, forgetting=-0.0015,
+                 retention=1.0008),
+    "stress": dict(gsm8k=0.420, truthfulqa=0.245, mmlu=0.364, mmd=0.01093, forgetting=0.0635,
+                   retention=0.8258),
+    "opd-mild": dict(gsm8k=0.512, truthfulqa=0.290, mmlu=0.434, mmd=0.01470, forgetting=0.0060,
+                     retention=0.9810),
+    "opd-stress": dict(gsm8k=0.466, truthfulqa=0.275, mmlu=0.430, mmd=0.01092, forgetting=0.0155,
+                       retention=0.9515),
     "opd-logits": dict(gsm8k=0.040),
-    "rl": dict(gsm8k=0.472, truthfulqa=0.290, mmlu=0.442, mmd=0.01098, forgetting=0.0020, retention=0.9902),
+    "rl": dict(gsm8k=0.472, truthfulqa=0.290, mmlu=0.442, mmd=0.01098, forgetting=0.0020,
+               retention=0.9902),
 }
-# the table's row order: the paper's, with kd-stress and opd-sampled (not in the paper) beside the runs they contrast
-RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl"]
+# the table's row order: the paper's, with kd-stress and opd-sampled (not in the paper)
+# beside the runs they contrast
+RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits",
+             "opd-sampled", "rl"]
 # the table's columns that come from a result with a fingerprint (eval.json's tasks; drift.json)
 COLUMNS = ("gsm8k", "gsm8k_fewshot", "gsm8k_samples", "mmlu", "truthfulqa")
 # the candidate predictors of forgetting: (column, what results.md calls it)
 PREDICTORS = (("update_norm", "update norm"), ("mmd2", "MMD^2 of the states (P4)"),
               ("state_distance", "state distance"), ("kl_to_base", "KL to the base (RL's Razor)"))
-
-
-def condition(run_name):
-    """The condition a run folder belongs to: 'stress-seed2' -> 'stress'."""
-    return re.sub(r"-seed\d+$", "", run_name)
 
 
 def study_folders(root):
@@ -87,7 +89,8 @@ def collect_runs(root):
         folder = os.path.join(root, name)
         if not os.path.isfile(os.path.join(folder, "eval.json")) or folder in studies:
             continue
-        run = found[name] = {"folder": folder, "eval": M.read_json(os.path.join(folder, "eval.json"))}
+        run = found[name] = {"folder": folder,
+                             "eval": M.read_json(os.path.join(folder, "eval.json"))}
         if os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
             run["update_norm"] = lora.update_norm(folder)
         if os.path.isfile(os.path.join(folder, "drift.json")):
@@ -97,30 +100,35 @@ def collect_runs(root):
                    if r.get("state_nll_base") is not None]
             run["state_nll_base"] = sum(nll) / len(nll) if nll else None
     provenance.check_comparable(measured(found))
-    rank = lambda n: RUN_ORDER.index(condition(n)) if condition(n) in RUN_ORDER else len(RUN_ORDER)  # noqa: E731
-    return {n: found[n] for n in sorted(found, key=lambda n: (rank(n), n))}
+    def rank(name):
+        c = runs.condition(name)
+        return (RUN_ORDER.index(c) if c in RUN_ORDER else len(RUN_ORDER)), name
+    return {n: found[n] for n in sorted(found, key=rank)}
 
 
 def table_rows(found):
     rows = []
     for name, run in found.items():
         e, d = run["eval"], run.get("drift", {})
-        ret, nll, reference = e.get("retention", {}), run.get("state_nll_base"), d.get("state_nll_reference")
+        ret, nll, reference = (e.get("retention", {}), run.get("state_nll_base"),
+                               d.get("state_nll_reference"))
         drawn = e.get("gsm8k_samples", {})  # evaluate.py --samples K: pass@K and the samples' mean
-        rows.append(dict(run=name, gsm8k=e.get("gsm8k", {}).get("flexible"),
-                         gsm8k_fewshot=e.get("gsm8k_fewshot", {}).get("flexible"),
-                         gsm8k_pass=drawn.get(f"pass@{drawn.get('samples')}"), gsm8k_mean=drawn.get("mean"),
-                         truthfulqa=e.get("truthfulqa", {}).get("mc1"), mmlu=e.get("mmlu", {}).get("acc"),
-                         mmd2=d.get("mmd2"), mmd=None if d.get("mmd2") is None else max(d["mmd2"], 0.0) ** 0.5,
-                         forgetting=ret.get("forgetting"), forgetting_stderr=ret.get("forgetting_stderr"),
-                         retention=ret.get("retention"), update_norm=run.get("update_norm"),
-                         state_distance=None if nll is None or reference is None else nll - reference,
-                         kl_to_base=d.get("kl_to_base")))
+        rows.append(dict(
+            run=name, gsm8k=e.get("gsm8k", {}).get("flexible"),
+            gsm8k_fewshot=e.get("gsm8k_fewshot", {}).get("flexible"),
+            gsm8k_pass=drawn.get(f"pass@{drawn.get('samples')}"), gsm8k_mean=drawn.get("mean"),
+            truthfulqa=e.get("truthfulqa", {}).get("mc1"), mmlu=e.get("mmlu", {}).get("acc"),
+            mmd2=d.get("mmd2"), mmd=None if d.get("mmd2") is None else max(d["mmd2"], 0.0) ** 0.5,
+            forgetting=ret.get("forgetting"), forgetting_stderr=ret.get("forgetting_stderr"),
+            retention=ret.get("retention"), update_norm=run.get("update_norm"),
+            state_distance=None if nll is None or reference is None else nll - reference,
+            kl_to_base=d.get("kl_to_base")))
     return rows
 
 
-METRICS = ("gsm8k", "gsm8k_fewshot", "gsm8k_pass", "gsm8k_mean", "truthfulqa", "mmlu", "mmd2", "mmd", "forgetting", "forgetting_stderr",
-           "retention", "state_distance", "kl_to_base", "update_norm")
+METRICS = ("gsm8k", "gsm8k_fewshot", "gsm8k_pass", "gsm8k_mean", "truthfulqa", "mmlu", "mmd2",
+           "mmd", "forgetting", "forgetting_stderr", "retention", "state_distance", "kl_to_base",
+           "update_norm")
 
 
 def group_seeds(rows):
@@ -128,7 +136,7 @@ def group_seeds(rows):
     each metric's mean, and its standard deviation over seeds in <metric>_std."""
     groups = {}
     for r in rows:
-        groups.setdefault(condition(r["run"]), []).append(r)
+        groups.setdefault(runs.condition(r["run"]), []).append(r)
     out = []
     for name, members in groups.items():
         row = dict(run=name, seeds=len(members))
@@ -152,7 +160,8 @@ def permutation_p(x, y, rounds=10_000, seed=0):
     far from zero as the observed one. Every pairing up to eight rows (40,320), else the
     observed one and `rounds` random ones. With five rows, as in the paper's Table 2, no
     p-value falls below 2/120 = 0.017, and only a perfect rank order reaches it."""
-    observed = abs(statistics.correlation(x, y)) * (1 - 1e-9)  # float sums of a permuted order may differ in the last bit
+    # float sums of a permuted order may differ in the last bit
+    observed = abs(statistics.correlation(x, y)) * (1 - 1e-9)
     if len(y) <= 8:
         pairings = list(itertools.permutations(y))
     else:
@@ -174,7 +183,8 @@ def drift_vs_forgetting(rows, measure="mmd2"):
     drift_ranks, forgetting_ranks = ranks(drift), ranks(forgetting)
     return dict(n=len(pairs), spearman=statistics.correlation(drift_ranks, forgetting_ranks),
                 spearman_p=permutation_p(drift_ranks, forgetting_ranks),
-                pearson=statistics.correlation(drift, forgetting), pearson_p=permutation_p(drift, forgetting))
+                pearson=statistics.correlation(drift, forgetting),
+                pearson_p=permutation_p(drift, forgetting))
 
 
 def drift_forgetting_correlations(single_rows, measure="mmd2"):
@@ -191,58 +201,81 @@ def fmt(x, spec=".3f", std=None):
 
 
 def p_value(p):
-    return f"{p:.2f}" if p >= 0.01 else f"{p:.1g}"  # two decimals, except below 0.01, where they would print 0
+    return f"{p:.2f}" if p >= 0.01 else f"{p:.1g}"  # two decimals, but below 0.01, where 0
 
 
 def p_values(correlations):
-    return f"p-values {p_value(correlations['spearman_p'])} and {p_value(correlations['pearson_p'])}"
+    spearman, pearson = (p_value(correlations[k]) for k in ("spearman_p", "pearson_p"))
+    return f"p-values {spearman} and {pearson}"
+
+
+def table_columns(rows, K):
+    """results.md's columns, (key, header, format, how the cell reads): "paper" ours / the
+    paper's, "spread" ours with the spread over seeds, "mean" ours alone (a standard error's
+    spread over seeds says little). MMD^2 in significant digits: a small model's drift can be
+    1e-5 where the paper's is 1e-2. K: the samples of evaluate.py --samples, 0 for none."""
+    cols = [("gsm8k", "GSM8K 0-shot", ".3f", "paper")]
+    if any(r["gsm8k_fewshot"] is not None for r in rows):
+        cols.append(("gsm8k_fewshot", "GSM8K few-shot", ".3f", "spread"))
+    if K:
+        cols += [("gsm8k_pass", f"pass@{K}", ".3f", "spread"),
+                 ("gsm8k_mean", "sampled", ".3f", "spread")]
+    return cols + [
+        ("truthfulqa", "TruthfulQA", ".3f", "paper"), ("mmlu", "MMLU", ".3f", "paper"),
+        ("mmd2", "MMD^2", ".4g", "spread"), ("mmd", "MMD", ".4g", "paper"),
+        ("forgetting", "forgetting", ".4f", "paper"),
+        ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"),
+        ("retention", "retention", ".4f", "paper"),
+        ("state_distance", "state distance", ".3f", "spread"),
+        ("kl_to_base", "KL to base", ".3g", "spread"),
+        ("update_norm", "update norm", ".2f", "spread")]
+
+
+def column_notes(fewshot, K, with_paper):
+    """results.md's first line: what each column is."""
+    return (
+        ("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "")
+        + "GSM8K flexible accuracy, greedy, 0-shot in the format the methods train on"
+        + (" (few-shot: lm-evaluation-harness's 5 solved examples first)" if fewshot else "")
+        + (f"; pass@{K} and sampled: of {K} temperature-1 samples a question, the chance that "
+           f"one of {K} is right (Chen et al. 2021's estimator) and their mean accuracy" if K
+           else "")
+        + "; TruthfulQA MC1; MMLU accuracy; MMD^2 of rollout states against the base and MMD = "
+        "sqrt(max(MMD^2, 0))" + (" (Table 2's column is headed MMD)" if with_paper else "")
+        + "; forgetting and retention averaged over TruthfulQA and MMLU. forgetting s.e.: the "
+        "standard error of a run's forgetting from the finite number of questions, over each "
+        "question's difference from the base's answer to it (ours alone). state distance: where "
+        "the states each run trained on lie, the base's per-token NLL of their trajectories "
+        "(state_nll_base, the mean over steps) less that of its own temperature-1 samples (0: "
+        "the base's own states). KL to base: KL(base || run) at the states of the base's own "
+        "rollouts on target prompts, summed over each rollout (RL's Razor's predictor). update "
+        "norm: how far training moved the weights, the Frobenius norm of the adapter's update "
+        "over all the layers it adapts (lora.update_norm).")
 
 
 def results_markdown(found):
     """results.md: one row per condition (seeds merged), each cell ours / the paper's Table 2,
     and the drift-forgetting correlations under it. Rows none of which is a paper condition
     (a run's snapshots, a study of one's own) get our numbers alone."""
-    # MMD^2 in significant digits: a small model's drift can be 1e-5 where the paper's is 1e-2
-    # (key, header, format, how the cell reads): "paper" ours / the paper's, "spread" ours with
-    # the spread over seeds, "mean" ours alone (a standard error's spread over seeds says little)
     single_rows = table_rows(found)
     rows = group_seeds(single_rows)
-    fewshot = [("gsm8k_fewshot", "GSM8K few-shot", ".3f", "spread")] if any(
-        r["gsm8k_fewshot"] is not None for r in rows) else []
-    K = next((r["eval"]["gsm8k_samples"]["samples"] for r in found.values() if "gsm8k_samples" in r["eval"]), 0)
-    drawn = [("gsm8k_pass", f"pass@{K}", ".3f", "spread"), ("gsm8k_mean", "sampled", ".3f", "spread")] * (K > 0)
-    cols = [("gsm8k", "GSM8K 0-shot", ".3f", "paper"), *fewshot, *drawn, ("truthfulqa", "TruthfulQA", ".3f", "paper"),
-            ("mmlu", "MMLU", ".3f", "paper"), ("mmd2", "MMD^2", ".4g", "spread"), ("mmd", "MMD", ".4g", "paper"),
-            ("forgetting", "forgetting", ".4f", "paper"), ("forgetting_stderr", "forgetting s.e.", ".4f", "mean"),
-            ("retention", "retention", ".4f", "paper"), ("state_distance", "state distance", ".3f", "spread"),
-            ("kl_to_base", "KL to base", ".3g", "spread"), ("update_norm", "update norm", ".2f", "spread")]
+    K = next((r["eval"]["gsm8k_samples"]["samples"] for r in found.values()
+              if "gsm8k_samples" in r["eval"]), 0)
+    cols = table_columns(rows, K)
     with_paper = any(row["run"] in PAPER for row in rows)
-    lines = [("Each cell: ours / the paper's Table 2 (Nie 2026). " if with_paper else "") +
-             "GSM8K flexible accuracy, greedy, 0-shot in the format the methods train on" +
-             (" (few-shot: lm-evaluation-harness's 5 solved examples first)" if fewshot else "") +
-             (f"; pass@{K} and sampled: of {K} temperature-1 samples a question, the chance that one "
-              f"of {K} is right (Chen et al. 2021's estimator) and their mean accuracy" if K else "") +
-             "; TruthfulQA MC1; MMLU accuracy; MMD^2 of rollout states against the base and MMD = sqrt(max(MMD^2, 0))" +
-             (" (Table 2's column is headed MMD)" if with_paper else "") +
-             "; forgetting and retention averaged over TruthfulQA and MMLU. "
-             "forgetting s.e.: the standard error of a "
-             "run's forgetting from the finite number of questions, over each question's difference from the base's "
-             "answer to it (ours alone). state distance: where the states each run trained on lie, the base's "
-             "per-token NLL of their trajectories (state_nll_base, the mean over steps) less that of its own "
-             "temperature-1 samples (0: the base's own states). KL to base: KL(base || run) at the states of the "
-             "base's own rollouts on target prompts, summed over each rollout (RL's Razor's predictor). update norm: how "
-             "far training moved the weights, the Frobenius norm of the adapter's update over all the layers it adapts "
-             "(lora.update_norm).", "",
+    fewshot = any(c[0] == "gsm8k_fewshot" for c in cols)
+    lines = [column_notes(fewshot, K, with_paper), "",
              "| run | " + " | ".join(c[1] for c in cols) + " |",
              "|---" * (len(cols) + 1) + "|"]
     seeds = any(r["seeds"] > 1 for r in rows)
     if seeds:
-        lines[0] += (f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model is evaluated once; "
-                     f"forgetting s.e.: the mean over seeds).")
+        lines[0] += (f" Ours: mean±std over {max(r['seeds'] for r in rows)} seeds (the base model "
+                     f"is evaluated once; forgetting s.e.: the mean over seeds).")
     for row in rows:
         paper = PAPER.get(row["run"], {})
-        cells = [fmt(row[k], d, None if reads == "mean" else row[k + "_std"]) +
-                 (f" / {fmt(paper.get(k), d)}" if with_paper and reads == "paper" else "") for k, _, d, reads in cols]
+        cells = [fmt(row[k], d, None if reads == "mean" else row[k + "_std"])
+                 + (f" / {fmt(paper.get(k), d)}" if with_paper and reads == "paper" else "")
+                 for k, _, d, reads in cols]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
     over = "post-trained conditions" if with_paper else "rows"
     lines += gap_lines(found) + correlation_lines(single_rows, over, with_paper, seeds)
@@ -251,19 +284,22 @@ def results_markdown(found):
 
 def gap_lines(found):
     """How far off-policy SFT's data is for the base (drift.offpolicy_gap), from a drift.json."""
-    d = next((run["drift"] for run in found.values() if "state_nll_gold" in run.get("drift", {})), None)
+    d = next((run["drift"] for run in found.values()
+              if "state_nll_gold" in run.get("drift", {})), None)
     if d is None:
         return []
-    return ["", f"Where the states lie for the base: its per-token NLL of SFT's gold answers {d['state_nll_gold']:.3f}, "
-                f"of its own temperature-1 samples on the same prompts {d['state_nll_reference']:.3f}; the gold data "
-                f"lies {d['state_nll_gold'] - d['state_nll_reference']:.3f} nats per token off the base's own states."]
+    gold, own = d["state_nll_gold"], d["state_nll_reference"]
+    return ["", f"Where the states lie for the base: its per-token NLL of SFT's gold answers "
+                f"{gold:.3f}, of its own temperature-1 samples on the same prompts {own:.3f}; "
+                f"the gold data lies {gold - own:.3f} nats per token off the base's own states."]
 
 
 def cells(c):
     """A predictor's cells: rows, Spearman's rho and its p-value, R^2 and its p-value."""
     if c is None:
         return "- | - | - | - | -"
-    return f"{c['n']} | {c['spearman']:.2f} | {p_value(c['spearman_p'])} | {c['pearson'] ** 2:.2f} | {p_value(c['pearson_p'])}"
+    return (f"{c['n']} | {c['spearman']:.2f} | {p_value(c['spearman_p'])} | "
+            f"{c['pearson'] ** 2:.2f} | {p_value(c['pearson_p'])}")
 
 
 def correlation_lines(single_rows, over, with_paper, seeds):
@@ -274,27 +310,33 @@ def correlation_lines(single_rows, over, with_paper, seeds):
     correlations = drift_forgetting_correlations(single_rows)
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?
-        lines += ["", f"MMD^2 against forgetting (P4) over the {ours['n']} {over}: Spearman's rank correlation "
-                      f"{ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} (two-sided permutation {p_values(ours)}"]
+        lines += ["", f"MMD^2 against forgetting (P4) over the {ours['n']} {over}: Spearman's "
+                      f"rank correlation {ours['spearman']:.2f}, Pearson's {ours['pearson']:.2f} "
+                      f"(two-sided permutation {p_values(ours)}"]
         if with_paper:
-            paper = drift_vs_forgetting([dict(run=name, **values) for name, values in PAPER.items()], "mmd")
-            lines[-1] += (f"; the paper's Table 2, {paper['n']} runs: {paper['spearman']:.2f} and {paper['pearson']:.2f}, "
-                          f"{p_values(paper)}")
+            table2 = [dict(run=name, **values) for name, values in PAPER.items()]
+            paper = drift_vs_forgetting(table2, "mmd")
+            lines[-1] += (f"; the paper's Table 2, {paper['n']} runs: {paper['spearman']:.2f} and "
+                          f"{paper['pearson']:.2f}, {p_values(paper)}")
         lines[-1] += ")."
         if seeds and single:
-            lines[-1] += (f" Over the {single['n']} single runs, each seed apart: {single['spearman']:.2f} and "
-                          f"{single['pearson']:.2f} ({p_values(single)}).")
-    predictors = [(label, drift_forgetting_correlations(single_rows, key)) for key, label in PREDICTORS]
+            lines[-1] += (f" Over the {single['n']} single runs, each seed apart: "
+                          f"{single['spearman']:.2f} and {single['pearson']:.2f} "
+                          f"({p_values(single)}).")
+    predictors = [(label, drift_forgetting_correlations(single_rows, key))
+                  for key, label in PREDICTORS]
     predictors = [(label, c) for label, c in predictors if c["conditions"]]
     if predictors:  # P4's question asked of every candidate, the paper's own (MMD^2) among them
         both = seeds and any(c["runs"] for _, c in predictors)
-        header = "| predictor | n | Spearman | p | R^2 | p |" + (" runs | Spearman | p | R^2 | p |" if both else "")
-        lines += ["", f"What predicts forgetting, over the {over}" + (" and over the single runs, each seed apart" if both
-                                                                          else "") +
-                  ": Spearman's rank correlation and R^2 of a straight-line fit, each with its two-sided permutation "
-                  "p-value.", "", header, "|---" * (header.count("|") - 1) + "|"]
-        lines += [f"| {label} | {cells(c['conditions'])} |" + (f" {cells(c['runs'])} |" if both else "")
-                  for label, c in predictors]
+        header = ("| predictor | n | Spearman | p | R^2 | p |"
+                  + (" runs | Spearman | p | R^2 | p |" if both else ""))
+        lines += ["", f"What predicts forgetting, over the {over}"
+                  + (" and over the single runs, each seed apart" if both else "")
+                  + ": Spearman's rank correlation and R^2 of a straight-line fit, each with its "
+                  "two-sided permutation p-value.", "", header,
+                  "|---" * (header.count("|") - 1) + "|"]
+        lines += [f"| {label} | {cells(c['conditions'])} |"
+                  + (f" {cells(c['runs'])} |" if both else "") for label, c in predictors]
     return lines
 
 
@@ -305,125 +347,34 @@ def write_results(root, **extra):
     found, nested = collect_runs(root), study_folders(root)
     if not found:
         where = f"; the studies under it: {', '.join(nested)} (pass one of them)" if nested else ""
-        raise M.InputError(f"no eval.json in {root} or its run folders{where}; run `python evaluate.py base ...` first")
+        raise M.InputError(f"no eval.json in {root} or its run folders{where}; run `python "
+                           f"evaluate.py base ...` first")
     text, rows = results_markdown(found), table_rows(found)
     M.write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
-    M.write_json(os.path.join(root, "results.json"), dict(
-        rows=rows, predictors={key: drift_forgetting_correlations(rows, key) for key, _ in PREDICTORS}, paper=PAPER,
-        **extra))
-    plot(root, rows)
-    curves([run["folder"] for name, run in found.items() if name != "base"], os.path.join(root, "curves.png"))
+    predictors = {key: drift_forgetting_correlations(rows, key) for key, _ in PREDICTORS}
+    M.write_json(os.path.join(root, "results.json"),
+                 dict(rows=rows, predictors=predictors, paper=PAPER, **extra))
+    figures.plot(root, rows)
+    figures.curves([run["folder"] for name, run in found.items() if name != "base"],
+                   os.path.join(root, "curves.png"))
     for folder in nested:
-        print(f"note: {folder} holds a study of its own, left out of this table: python results.py {folder}")
+        print(f"note: {folder} holds a study of its own, left out of this table: python "
+              f"results.py {folder}")
     return text
 
 
-def pyplot():
-    """matplotlib.pyplot when installed (it is optional, never required), else None and a note."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError:
-        print("note: no figures without matplotlib (pip install matplotlib)")
-        return None
-
-
-def state_source(run_name):
-    """Where a condition's training states come from: the dataset's, the teacher's, the learner's own."""
-    c = condition(run_name)
-    return "data" if c in ("mild", "stress") else "teacher" if c.startswith("kd-") else (
-        "student" if c.startswith(("opd", "rl")) else "other")
-
-
-def plot(out, rows):
-    """results.png, a point per run: the frontier (target against retention, a marker per state source); P4."""
-    plt = pyplot()
-    if plt is None:
-        return
-    points = [r for r in rows if r["run"] != "base" and r["gsm8k"] is not None and r["retention"] is not None]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    markers = {"data": "s", "student": "o", "teacher": "^", "other": "x"}
-    for source, marker in markers.items():
-        mine = [r for r in points if state_source(r["run"]) == source]
-        if mine:
-            a.scatter([r["retention"] for r in mine], [r["gsm8k"] for r in mine], marker=marker, label=f"{source} states")
-    for r in points:
-        a.annotate(condition(r["run"]), (r["retention"], r["gsm8k"]), fontsize=7)
-        if r["mmd2"] is not None and r["forgetting"] is not None:
-            b.errorbar(r["mmd2"], r["forgetting"], yerr=r["forgetting_stderr"], fmt="o", capsize=3)
-            b.annotate(condition(r["run"]), (r["mmd2"], r["forgetting"]), fontsize=7)
-    if points:
-        a.legend(fontsize=7)
-    a.set(xlabel="mean retention ratio", ylabel="GSM8K accuracy", title="the frontier: target against retention")
-    b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting (bars: one standard error)",
-          title="drift against forgetting (P4)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "results.png"), dpi=120)
-    plt.close(fig)
-
-
-CURVES = (("loss", "loss"), ("reward", "training reward"), ("state_nll_base", "state NLL under the base"),
-          ("state_kl", "KL to the teacher"), ("kl", "KL to the base (k3)"), ("lr", "learning rate"))
-
-
-def curve(logs, key, window=1):
-    """One condition's curve of `key` over its seeds' logs: (steps every log has, mean, lowest,
-    highest), each value first a running mean over `window` steps of its own log."""
-    series = []
-    for records in logs:
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        series.append({step: statistics.mean(v for _, v in points[max(0, i - window + 1):i + 1])
-                       for i, (step, _) in enumerate(points)})
-    steps = sorted(set.intersection(*(set(s) for s in series))) if series else []
-    values = [[s[t] for s in series] for t in steps]
-    return steps, [statistics.mean(v) for v in values], [min(v) for v in values], [max(v) for v in values]
-
-
-def curves(folders, path):
-    """Training curves of run folders, one line per condition (its seeds' mean, their range as a
-    band), a panel per quantity of CURVES (log key, title) a log holds, each a running mean over a
-    twentieth of the run, and the update norm at each snapshot a run kept. Returns path, or None."""
-    logs = {}
-    for folder in folders:
-        if os.path.isfile(os.path.join(folder, "log.jsonl")):
-            logs.setdefault(condition(os.path.basename(os.path.normpath(folder))), []).append(
-                (folder, runs.read_log(os.path.join(folder, "log.jsonl"))))
-    keys = [(k, title) for k, title in CURVES if any(k in r for ms in logs.values() for _, rs in ms for r in rs)]
-    snapshots = {f: sorted(os.listdir(os.path.join(f, "snapshots"))) for ms in logs.values() for f, _ in ms
-                 if os.path.isdir(os.path.join(f, "snapshots"))}
-    if not keys or (plt := pyplot()) is None:
-        return None
-    fig, axes = plt.subplots(1, len(keys) + bool(snapshots), figsize=(3.6 * (len(keys) + bool(snapshots)), 3.2),
-                             squeeze=False)
-    for ax, (key, title) in zip(axes[0], keys):
-        for name, members in logs.items():
-            steps, mean, low, high = curve([rs for _, rs in members], key, max(1, len(members[0][1]) // 20))
-            line, = ax.plot(steps, mean, label=name, linewidth=1)
-            if len(members) > 1:
-                ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.2)
-        ax.set(xlabel="step", title=title)
-    for folder, names in snapshots.items():  # how far the weights moved, along the run
-        steps = [int(n.split("-")[1]) for n in names if re.fullmatch(r"step-\d+", n)]
-        axes[0][-1].plot(steps, [lora.update_norm(os.path.join(folder, "snapshots", f"step-{t:06d}")) for t in steps],
-                         marker="o", label=os.path.basename(os.path.normpath(folder)))
-        axes[0][-1].set(xlabel="step", title="update norm at snapshots")
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("root", nargs="?", help="the study folder: the base's eval.json and the run folders beside it")
-    p.add_argument("--curves", nargs="+", metavar="RUN", help="instead, training curves of these run folders, into "
-                                                                "curves.png beside the first")
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("root", nargs="?",
+                   help="the study folder: the base's eval.json and the run folders beside it")
+    p.add_argument("--curves", nargs="+", metavar="RUN",
+                   help="instead, training curves of these run folders, into curves.png beside "
+                        "the first")
     args = p.parse_args(argv)
     if args.curves:
-        path = curves(args.curves, os.path.join(os.path.dirname(os.path.normpath(args.curves[0])) or ".", "curves.png"))
+        beside = os.path.dirname(os.path.normpath(args.curves[0])) or "."
+        path = figures.curves(args.curves, os.path.join(beside, "curves.png"))
         print(f"curves in {path}" if path else f"no log.jsonl to draw in {', '.join(args.curves)}")
     elif args.root:
         print(write_results(args.root))

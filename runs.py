@@ -39,7 +39,8 @@ except ImportError:  # Windows: no flock, so nothing is held there
 # -----------------------------------------------------------------------------
 # run folders
 
-HELD = {}  # real path -> its open .lock file (None where it could take none), for the folders this process holds
+# the folders this process holds: real path -> its open .lock file (None where it took none)
+HELD = {}
 
 
 def hold(folder, instead=", or pass another --out"):
@@ -62,7 +63,8 @@ def hold(folder, instead=", or pass another --out"):
         lock.seek(0)
         holder = lock.read().strip() or "unknown"
         lock.close()
-        raise InputError(f"{folder} is in use by another process (pid {holder}); wait for it to end{instead}") from None
+        raise InputError(f"{folder} is in use by another process (pid {holder}); wait for it to "
+                         f"end{instead}") from None
     except OSError as e:  # a file system without locks (some network mounts)
         lock.close()
         print(f"note: cannot lock {folder} ({e.strerror or e}); run one script at a time in it")
@@ -120,6 +122,11 @@ def read_log(path):
     return records
 
 
+def condition(run_name):
+    """The condition a run folder belongs to: 'stress-seed2' -> 'stress'."""
+    return re.sub(r"-seed\d+$", "", run_name)
+
+
 def last_checkpoint(folder):
     """checkpoint/, or checkpoint.old/ where a save stopped between its two renames; else None."""
     ckpt = os.path.join(folder, "checkpoint")
@@ -132,8 +139,9 @@ def run_finished(folder):
 
 def git_commit():
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, cwd=here).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -144,17 +152,18 @@ def check_run_folder(folder, model, also=""):
     caller takes in place of a run folder."""
     if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
         if any(os.path.exists(os.path.join(folder, f)) for f in (".lock", "run.json", "log.jsonl")):
-            raise InputError(f"{folder} holds a run that never trained to its first checkpoint (no adapter); train it "
-                             f"again, or delete the folder")
-        raise InputError(f"{folder} is not a run folder (no adapter_config.json); name a folder written by sft.py, "
-                         f"rl.py or opd.py{also}")
+            raise InputError(f"{folder} holds a run that never trained to its first checkpoint (no "
+                             f"adapter); train it again, or delete the folder")
+        raise InputError(f"{folder} is not a run folder (no adapter_config.json); name a folder "
+                         f"written by sft.py, rl.py or opd.py{also}")
     holder = held_elsewhere(folder)
     if holder:
-        raise InputError(f"{folder} is in use by another process (pid {holder}), which trains or evaluates it; wait "
-                         f"for it to end")
+        raise InputError(f"{folder} is in use by another process (pid {holder}), which trains or "
+                         f"evaluates it; wait for it to end")
     provenance.check_same_base(folder, model)
     if provenance.run_record(folder) is not None and not run_finished(folder):
-        print(f"note: the run in {folder} has not finished (stopped before its last step); using its last adapter")
+        print(f"note: the run in {folder} has not finished (stopped before its last step); using "
+              f"its last adapter")
 
 
 def load_teacher(model, tok, teacher, base):
@@ -255,17 +264,20 @@ class RunFolder:
     def resume(self, model, optimizer, name="default"):
         """Load the last checkpoint into model and optimizer; returns the step to start at."""
         folder = last_checkpoint(self.folder)
-        state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu", weights_only=True)
+        state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu",
+                           weights_only=True)
         weights = os.path.join(folder, "adapter_model.safetensors")
         lora.assign_adapter_tensors(model, read_safetensors_file(weights), name, weights)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         if not cli.RANK:  # the process that writes
             if os.path.isfile(self.log_path):  # forget the log lines of steps after the checkpoint
-                text = "".join(json.dumps(r) + "\n" for r in read_log(self.log_path) if r["step"] <= step)
+                kept = [r for r in read_log(self.log_path) if r["step"] <= step]
+                text = "".join(json.dumps(r) + "\n" for r in kept)
                 write_atomic(self.log_path, lambda p: open(p, "w").write(text))
             for entry in os.listdir(self.snapshots) if os.path.isdir(self.snapshots) else []:
-                found = re.fullmatch(r"step-(\d+)(\.tmp)?", entry)  # and snapshots of later steps, whole or half-written
+                # and snapshots of later steps, whole or half-written
+                found = re.fullmatch(r"step-(\d+)(\.tmp)?", entry)
                 if found and (found[2] or int(found[1]) > step):
                     shutil.rmtree(os.path.join(self.snapshots, entry))
             write_json(os.path.join(self.folder, "run.json"), self.record)
@@ -278,7 +290,8 @@ class RunFolder:
         tmp, old = self.ckpt + ".tmp", self.ckpt + ".old"
         shutil.rmtree(tmp, ignore_errors=True)
         lora.save_adapter(model, tmp, name)
-        torch.save({"optimizer": optimizer.state_dict(), "step": step}, os.path.join(tmp, "trainer.pt"))
+        torch.save({"optimizer": optimizer.state_dict(), "step": step},
+                   os.path.join(tmp, "trainer.pt"))
         if os.path.isdir(self.ckpt):
             shutil.rmtree(old, ignore_errors=True)
             os.replace(self.ckpt, old)
@@ -289,7 +302,8 @@ class RunFolder:
             write_json(os.path.join(self.folder, "run.json"), self.record)
 
     def step_seed(self, step):
-        """The seed of (--seed, step), 2^20 apart: a step's samples (step_seed + r) meet no other step's."""
+        """The seed of (--seed, step), 2^20 apart: a step's samples (step_seed + r) meet no
+        other step's."""
         return (self.settings["seed"] * 1_000_003 + step) << 20
 
     def steps(self, model, optimizer, end, desc):
@@ -298,11 +312,12 @@ class RunFolder:
         a checkpoint, a stop asked for); after the last, finish. A stop signal ends the run
         after a whole step, saved (stop_between_steps)."""
         start = self.resume(model, optimizer) if self.settings["resume"] else 0
-        self.bar = tqdm(range(start, end), initial=start, total=end, desc=desc, disable=cli.RANK > 0)
+        self.bar = tqdm(range(start, end), initial=start, total=end, desc=desc,
+                        disable=cli.RANK > 0)
         with self.stop_between_steps():
             for step in self.bar:
                 self.started = time.time()
-                torch.manual_seed(self.step_seed(step))  # dropout; per step, so a resumed run matches
+                torch.manual_seed(self.step_seed(step))  # dropout; per step: a resume matches
                 yield step
                 self.end_step(model, optimizer, step + 1, end)
         self.finish(end)
@@ -316,13 +331,15 @@ class RunFolder:
         to its processes, only its SIGKILL 30 s later does). A loop that ends in an exception lets
         the folder go (and deletes it, where the run made it and never checkpointed)."""
         def request_stop(signum, frame):
-            if self.stop_requested and cli.WORLD > 1:  # torchrun passing on the signal its processes had already
+            # torchrun passing on the signal its processes had already
+            if self.stop_requested and cli.WORLD > 1:
                 return
             if self.stop_requested:
                 raise KeyboardInterrupt
             self.stop_requested = signal.Signals(signum).name
-            print(f"\n{self.stop_requested}: {self.folder} stops after this step with a checkpoint of it; Ctrl-C "
-                  f"again to stop now, back at the last checkpoint", file=sys.stderr, flush=True)
+            print(f"\n{self.stop_requested}: {self.folder} stops after this step with a checkpoint "
+                  f"of it; Ctrl-C again to stop now, back at the last checkpoint", file=sys.stderr,
+                  flush=True)
 
         previous = {}
         if threading.current_thread() is threading.main_thread():  # only there can a handler be set
@@ -347,13 +364,16 @@ class RunFolder:
                 self.snapshot(model, step)
             if step % self.settings["save_every"] == 0 or step == end or stopping:
                 self.save(model, optimizer, step)
-        except OSError as e:  # a full disk, above all: each write is whole or absent, so say which is left
-            left = ("the last checkpoint written is intact: make room, then continue with --resume" if
-                    last_checkpoint(self.folder) else "no checkpoint was written before it: make room, then start the run again")
-            raise InputError(f"could not write step {step}'s adapter to {self.folder} ({e.strerror or e}); {left}") from None
+        except OSError as e:  # a full disk, above all: each write is whole or absent: say which
+            left = ("the last checkpoint written is intact: make room, then continue with "
+                    "--resume" if last_checkpoint(self.folder) else "no checkpoint was written "
+                    "before it: make room, then start the run again")
+            raise InputError(f"could not write step {step}'s adapter to {self.folder} "
+                             f"({e.strerror or e}); {left}") from None
         if stopping:
-            raise SystemExit(f"stopped by {self.stop_requested or 'a signal'} after step {step} of {end}, its checkpoint "
-                             f"written to {self.ckpt}; continue with --resume (reproduce.py resumes by itself)")
+            raise SystemExit(f"stopped by {self.stop_requested or 'a signal'} after step {step} of "
+                             f"{end}, its checkpoint written to {self.ckpt}; continue with "
+                             f"--resume (reproduce.py resumes by itself)")
 
     def snapshot(self, model, step, name="default"):
         """The adapter after `step` steps in snapshots/step-<step>, with run.json and the log so
@@ -363,7 +383,8 @@ class RunFolder:
         folder = os.path.join(self.snapshots, f"step-{step:06d}")
         shutil.rmtree(folder + ".tmp", ignore_errors=True)
         lora.save_adapter(model, folder + ".tmp", name)
-        write_json(os.path.join(folder + ".tmp", "run.json"), {**self.record, "finished_steps": step})
+        write_json(os.path.join(folder + ".tmp", "run.json"),
+                   {**self.record, "finished_steps": step})
         shutil.copy(self.log_path, os.path.join(folder + ".tmp", "log.jsonl"))
         shutil.rmtree(folder, ignore_errors=True)
         os.replace(folder + ".tmp", folder)
@@ -372,10 +393,12 @@ class RunFolder:
         """Mark the run complete in run.json (reproduce.py skips finished runs) and let the
         folder go; a stop asked for during the last step ends the program here."""
         if not cli.RANK:
-            write_json(os.path.join(self.folder, "run.json"), {**self.record, "finished_steps": step})
+            write_json(os.path.join(self.folder, "run.json"),
+                       {**self.record, "finished_steps": step})
         let_go(self.folder)
         if self.stop_requested is not None:
-            raise SystemExit(f"stopped by {self.stop_requested} at the run's last step; {self.folder} is complete")
+            raise SystemExit(f"stopped by {self.stop_requested} at the run's last step; "
+                             f"{self.folder} is complete")
 
     def log(self, record, **means):
         """One line of log.jsonl: record, each of means as a mean over every process's items
@@ -383,7 +406,8 @@ class RunFolder:
         sums = cli.summed(*(v for pair in means.values() for v in pair))
         record = {**record, **{k: sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else None
                                for i, k in enumerate(means)}, "seconds": time.time() - self.started}
-        self.bar.set_postfix({k: f"{record[k]:.4f}" for k in ("loss", "reward") if record.get(k) is not None})
+        self.bar.set_postfix({k: f"{record[k]:.4f}" for k in ("loss", "reward")
+                              if record.get(k) is not None})
         if cli.RANK:
             return
         with open(self.log_path, "a") as f:
@@ -391,5 +415,5 @@ class RunFolder:
 
     def check_finite(self, step, loss):
         if not math.isfinite(loss):
-            raise SystemExit(f"step {step}: loss is {loss}; stopped. The last good checkpoint in {self.ckpt} is intact: "
-                             f"lower --lr and continue with --resume")
+            raise SystemExit(f"step {step}: loss is {loss}; stopped. The last good checkpoint in "
+                             f"{self.ckpt} is intact: lower --lr and continue with --resume")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import drift
+import figures
 import evaluate as E
 import model as M
 import provenance
@@ -128,7 +129,7 @@ def test_a_runs_snapshots_evaluate_and_drift_into_a_table_of_steps(tiny_model, d
     drift.main([*steps, *common, "--out", str(out), "--prompts", "4", "--max-new-tokens", "8", "--stride", "4",
                 "--permutations", "10"])
     table = R.write_results(str(out / "stress" / "snapshots"))
-    assert R.curves([str(out / "stress")], str(tmp_path / "curves.png"))  # the update norm at each snapshot beside the log
+    assert figures.curves([str(out / "stress")], str(tmp_path / "curves.png"))  # the update norm at each snapshot beside the log
     assert (tmp_path / "curves.png").stat().st_size > 1000
     rows = [line for line in table.splitlines() if line.startswith("| step-")]
     assert [row.split(" | ")[0] for row in rows] == ["| step-000001", "| step-000002"]
@@ -285,9 +286,9 @@ def test_state_distance_and_the_four_predictors_of_forgetting():
 def test_training_curves_merge_seeds_into_a_mean_and_a_band_and_figures_stay_optional(tmp_path, capsys, monkeypatch):
     logs = [[{"step": t, "loss": v} for t, v in enumerate([4.0, 2.0, 0.0, 2.0], 1)],
             [{"step": t, "loss": v} for t, v in enumerate([2.0, 2.0, 2.0], 1)] + [{"step": 4, "reward": 1.0}]]
-    assert R.curve(logs, "loss") == ([1, 2, 3], [3.0, 2.0, 1.0], [2.0, 2.0, 0.0], [4.0, 2.0, 2.0])  # steps both logs hold
-    assert R.curve(logs, "loss", window=2)[1] == [3.0, 2.5, 1.5]  # each log's running mean first: 4 3 1 / 2 2 2
-    assert [R.state_source(n) for n in ("stress-seed1", "kd-stress", "opd-sampled", "rl", "base")] == [
+    assert figures.curve(logs, "loss") == ([1, 2, 3], [3.0, 2.0, 1.0], [2.0, 2.0, 0.0], [4.0, 2.0, 2.0])  # steps both logs hold
+    assert figures.curve(logs, "loss", window=2)[1] == [3.0, 2.5, 1.5]  # each log's running mean first: 4 3 1 / 2 2 2
+    assert [figures.state_source(n) for n in ("stress-seed1", "kd-stress", "opd-sampled", "rl", "base")] == [
         "data", "teacher", "student", "student", "other"]
     for name, records in (("stress", logs[0]), ("stress-seed1", logs[1]), ("rl", logs[1])):
         (tmp_path / name).mkdir()
