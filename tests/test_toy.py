@@ -13,6 +13,7 @@ import data
 import model as M
 import toy
 import train
+import world
 from conftest import ROOT, hold_in_another_process
 
 
@@ -26,12 +27,12 @@ def world_files(folder):
 
 
 def test_world_is_deterministic_parses_and_is_right(tmp_path):
-    corpus_a, problems_a = toy.write_world(str(tmp_path / "a"), seed=3, n_pretrain=300, n_train=300, n_test=100,
+    corpus_a, problems_a = world.write_world(str(tmp_path / "a"), seed=3, n_pretrain=300, n_train=300, n_test=100,
                                            facts_per_subject=90, n_misconceptions=40)
-    corpus_b, problems_b = toy.write_world(str(tmp_path / "b"), seed=3, n_pretrain=300, n_train=300, n_test=100,
+    corpus_b, problems_b = world.write_world(str(tmp_path / "b"), seed=3, n_pretrain=300, n_train=300, n_test=100,
                                            facts_per_subject=90, n_misconceptions=40)
     assert world_files(tmp_path / "a") == world_files(tmp_path / "b") and corpus_a == corpus_b and problems_a == problems_b
-    toy.write_world(str(tmp_path / "c"), seed=4, n_pretrain=300, n_train=300, n_test=100, facts_per_subject=90,
+    world.write_world(str(tmp_path / "c"), seed=4, n_pretrain=300, n_train=300, n_test=100, facts_per_subject=90,
                     n_misconceptions=40)
     assert world_files(tmp_path / "a") != world_files(tmp_path / "c")
 
@@ -61,8 +62,8 @@ def test_world_is_deterministic_parses_and_is_right(tmp_path):
     for kind, words in enumerate(templates):
         mine = [a for p, a in zip(problems_a, answers) if words in p.split("\nAnswer:")[0]]
         worked = sum(a not in hasty for a in mine) / len(mine)
-        assert len(mine) > 20 and (worked > 0.55) == (toy.WORKED[kind] > 0.5), (words, worked)
-    _, some = toy.write_world(str(tmp_path / "d"), seed=3, n_pretrain=300, n_train=300, n_test=100, facts_per_subject=90,
+        assert len(mine) > 20 and (worked > 0.55) == (world.WORKED[kind] > 0.5), (words, worked)
+    _, some = world.write_world(str(tmp_path / "d"), seed=3, n_pretrain=300, n_train=300, n_test=100, facts_per_subject=90,
                               n_misconceptions=40, annotated=0.3)  # a real base has seen a little of the dataset's way
     assert world_files(tmp_path / "d") == world_files(tmp_path / "a")  # the evaluated world is the same
     styled = [i for i, (p, q) in enumerate(zip(problems_a, some)) if p != q]
@@ -256,13 +257,13 @@ def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_pat
     cli.add_toy_args(p)
     args = p.parse_args([])
     shipped = toy.SHIPPED
-    world = toy.write_world(str(tmp_path / "data"), args.world_seed, n_pretrain=args.target_problems,
-                            annotated=args.annotated)
-    assert toy.digest_of(shipped) == toy.base_digest(*world, args), \
+    made = world.write_world(str(tmp_path / "data"), args.world_seed, n_pretrain=args.target_problems,
+                             annotated=args.annotated)
+    assert toy.digest_of(shipped) == toy.base_digest(*made, args), \
         "toy-base/ is not the default world's base: run python toy.py --pretrain and copy its base-model/ to toy-base/"
     assert M.read_json(os.path.join(shipped, "pretrain.json"))["settings"] == vars(args)
     one_step = p.parse_args(["--pretrain-steps", "1"])  # the same shapes and tokenizer, one step of pretraining
-    toy.pretrain_in(*world, str(tmp_path / "one"), one_step, "-")
+    toy.pretrain_in(*made, str(tmp_path / "one"), one_step, "-")
     assert M.read_json(str(tmp_path / "one" / "config.json")) == M.read_json(os.path.join(shipped, "config.json"))
     assert (tmp_path / "one" / "tokenizer.json").read_bytes() == open(os.path.join(shipped, "tokenizer.json"), "rb").read()
     size = sum(os.path.getsize(os.path.join(shipped, f)) for f in os.listdir(shipped))
