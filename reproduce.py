@@ -285,11 +285,12 @@ def condition_stages(preset_name, out, name, script, extra, model, common):
     flags = [*preset["train"].get(script, []), *preset["train"].get(runs.condition(name), [])]
     argv = [*flags, *extra, "--out", folder, *common]
 
-    def trained():
-        if runs.run_finished(folder):
+    def trained():  # a finished run stands for the preset's run only where it is one
+        finished = runs.run_finished(folder)
+        if finished:
             provenance.check_trained_as(folder, model, vars(PARSERS[script](argv)),
                                         NOT_SETTINGS, f"the {preset_name} preset's now")
-        return runs.run_finished(folder)
+        return finished
 
     def train():
         SCRIPTS[script]([*argv, *(["--resume"] if runs.last_checkpoint(folder) else [])])
