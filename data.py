@@ -178,6 +178,23 @@ def load_gsm8k(split, data_dir=None):
     return load_gsm8k_file(dataset_file(data_dir, "gsm8k", f"{split}.jsonl"))
 
 
+def with_wrong_answers(rows, share, seed=0):
+    """rows with the final number of a share of their gold answers made wrong, N plus an
+    offset of 1 to 9 either way, never below 0 (or N), the worked steps as they are; row i's
+    draw from (seed, i): a teacher degraded on purpose (P3, docs/toy-study.md)."""
+    out = []
+    for i, r in enumerate(rows):
+        rng = random.Random(f"wrong/{seed}/{i}")
+        if rng.random() >= share:
+            out.append(r)
+            continue
+        n = round(float(r["gold"]))
+        wrong = n + rng.choice([d for d in range(-9, 10) if d and n + d >= min(n, 0)])
+        steps = r["answer"].rsplit("####", 1)[0]
+        out.append({**r, "answer": f"{steps}#### {wrong}", "gold": str(wrong)})
+    return out
+
+
 def load_mmlu_file(path, subject):
     rows = []
     with open(path, encoding="utf-8", newline="") as f:

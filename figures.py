@@ -30,8 +30,11 @@ def state_source(run_name):
     """Where a condition's training states come from: the dataset's (data), the teacher's, the
     learner's own (student)."""
     c = runs.condition(run_name)
-    return "data" if c in ("mild", "stress") else "teacher" if c.startswith("kd-") else (
-        "student" if c.startswith(("opd", "rl")) else "other")
+    if c in ("mild", "stress", "degraded"):
+        return "data"
+    if c.startswith("kd-"):
+        return "teacher"
+    return "student" if c.startswith(("opd", "rl")) else "other"
 
 
 def plot(out, rows):

@@ -5,7 +5,9 @@ every run; then results.md / results.json in the paper's Table 2 layout with the
 numbers beside ours. Two conditions go beyond the paper: kd-stress, OPD from the stress
 teacher with the teacher's own rollouts as states (offline distillation), so that
 opd-stress and kd-stress differ in the state source alone; and opd-sampled, the OPD most
-used today (the teacher's log-ratio at the student's sampled token as an advantage).
+used today (the teacher's log-ratio at the student's sampled token as an advantage). And
+P3's pair: OPD and offline distillation from a teacher degraded on purpose (degraded: stress
+SFT with the final number wrong in 3 of 4 gold answers), since the toy's stress SFT gains.
 
     python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py),
                                            # offline, from the base shipped in toy-base/
@@ -52,10 +54,12 @@ NOT_SETTINGS = ("resume", "out", "model", "data_dir", "device", "dtype", "recomp
 
 def runs_of(out, seed=0):
     """name -> (script, arguments): the six post-training conditions of the paper,
-    kd-stress (opd-stress on the teacher's states) and opd-sampled. Seed 0
-    writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD teachers too)."""
+    kd-stress (opd-stress on the teacher's states), opd-sampled, and P3's degraded teacher
+    with its pair. Seed 0 writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD
+    teachers too)."""
     tag = f"-seed{seed}" if seed else ""
-    mild, stress = (os.path.join(out, teacher + tag) for teacher in ("mild", "stress"))
+    mild, stress, degraded = (os.path.join(out, teacher + tag)
+                              for teacher in ("mild", "stress", "degraded"))
     conditions = {
         "mild": ("sft", ["--preset", "mild"]),
         "stress": ("sft", ["--preset", "stress"]),
@@ -65,6 +69,10 @@ def runs_of(out, seed=0):
         "opd-logits": ("opd", ["--teacher", stress, "--signal", "logits"]),
         "opd-sampled": ("opd", ["--teacher", stress, "--signal", "sampled"]),
         "rl": ("rl", []),
+        # P3's teacher, degraded on purpose: stress SFT with 3 of 4 final numbers wrong
+        "degraded": ("sft", ["--preset", "stress", "--wrong-answers", "0.75"]),
+        "opd-degraded": ("opd", ["--teacher", degraded]),
+        "kd-degraded": ("opd", ["--teacher", degraded, "--state-source", "teacher"]),
     }
     return {name + tag: (script, [*argv, "--seed", str(seed)])
             for name, (script, argv) in conditions.items()}
@@ -124,6 +132,7 @@ PRESETS = {
         train={"sft": ["--train-limit", "1000"],
                "mild": ["--lr", "2e-3", "--epochs", "3"],
                "stress": ["--lr", "5e-3"],
+               "degraded": ["--lr", "5e-3"],
                "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96",
                       "--lr", "3e-4", "--warmup", "0.05"],
                "opd": ["--steps", "120", "--max-new-tokens", "96",

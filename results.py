@@ -44,9 +44,9 @@ PAPER = {
                retention=0.9902),
 }
 # the table's row order: the paper's, with kd-stress and opd-sampled (not in the paper)
-# beside the runs they contrast
+# beside the runs they contrast, then P3's degraded teacher and its pair
 RUN_ORDER = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits",
-             "opd-sampled", "rl"]
+             "opd-sampled", "rl", "degraded", "opd-degraded", "kd-degraded"]
 # the table's columns that come from a result with a fingerprint (eval.json's tasks; drift.json)
 COLUMNS = ("gsm8k", "gsm8k_fewshot", "gsm8k_samples", "mmlu", "truthfulqa")
 # the candidate predictors of forgetting: (column, what results.md calls it)

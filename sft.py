@@ -8,6 +8,7 @@ Signal source: the gold next token at each of those states (cross-entropy on the
                tokens, the prompt masked, end-of-text appended so the model learns to stop).
 --answers samples: rejection sampling (Yuan et al. 2023, arXiv 2308.01825): the same loss on
                the base's own right samples (--samples-per-prompt each, --max-new-tokens long).
+--wrong-answers P: a share P of the gold answers given a wrong final number (P3's teacher).
 
 Presets (docs/paper.md): `mild` (ours: the paper gives none) and `stress` (the paper's).
 
@@ -41,11 +42,11 @@ def parse_args(argv):
     p.add_argument("--answers", choices=["gold", "samples"], default="gold", help="(above)")
     p.add_argument("--samples-per-prompt", type=cli.number(int, 1), default=4, help="(above)")
     p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="(above)")
+    p.add_argument("--wrong-answers", type=cli.number(float, 0, below=1), default=0, help="(above)")
     cli.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
-    preset = p.parse_known_args(argv)[0].preset
-    p.set_defaults(**PRESETS[preset])  # a flag given on the command line still wins
+    p.set_defaults(**PRESETS[p.parse_known_args(argv)[0].preset])  # a flag given still wins
     args = p.parse_args(argv)
-    args.out = args.out or f"out/{preset}"
+    args.out = args.out or f"out/{args.preset}"
     return args
 
 
@@ -59,16 +60,16 @@ def main(argv=None):
 
     # the state source: (prompt, answer + end-of-text) pairs, the dataset's or the base's own
     rows = data.load_gsm8k("train", args.data_dir)[:args.train_limit or None]  # 0: all
-    pairs = ([data.gsm8k_gold_ids(tok, r) for r in rows] if args.answers == "gold" else
+    gold = data.with_wrong_answers(rows, args.wrong_answers, args.seed)  # all right by default
+    pairs = ([data.gsm8k_gold_ids(tok, r) for r in gold] if args.answers == "gold" else
              right_samples(model, tok, rows, args.samples_per_prompt, args.max_new_tokens,
                            args.seed))
     examples = data.sft_examples(pairs, args.max_length)  # (ids, where the answer starts) each
     total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule
-    end = min(total, args.max_steps) if args.max_steps else total
     passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
 
     base_logp = {}  # example -> the base's log-probs of its answer: no step changes them
-    for step in run.steps(model, optimizer, end, "sft"):
+    for step in run.steps(model, optimizer, min(total, args.max_steps or total), "sft"):
         picked = data.batch_indices(len(examples), step, args.batch_size, args.seed)
         picked = picked[slice(*cli.split(len(picked), "--batch-size"))]  # torchrun: a share
         sequences, starts = [examples[i][0] for i in picked], [examples[i][1] for i in picked]
@@ -81,10 +82,9 @@ def main(argv=None):
         lr, grad_norm = train.optimizer_step(optimizer, step, total, args.lr, args.warmup,
                                              args.grad_clip)
         # SFT's states are dataset prefixes: their NLL under the learner is the loss itself
-        new = [k for k, i in enumerate(picked) if i not in base_logp]
-        seqs, sts = [sequences[k] for k in new], [starts[k] for k in new]
-        logprobs = train.base_logprobs(model, seqs, sts, tok.pad_id, *passes)
-        base_logp.update((picked[k], lp) for k, lp in zip(new, logprobs))
+        new = [i for i in picked if i not in base_logp]
+        seqs, sts = [examples[i][0] for i in new], [examples[i][1] for i in new]
+        base_logp.update(zip(new, train.base_logprobs(model, seqs, sts, tok.pad_id, *passes)))
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss,
                      state_nll=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens),
                 state_nll_base=train.base_nll([base_logp[i] for i in picked]))

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import ROOT, hold_in_another_process
 
-RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl"]
+RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl",
+        "degraded", "opd-degraded", "kd-degraded"]
 
 
 def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
@@ -106,7 +107,8 @@ def test_each_seed_trains_its_own_conditions_from_its_own_teachers():
             args = reproduce.PARSERS[script](argv)  # flags the script knows
             assert args.seed == seed
             if script == "opd":  # the teacher trained with the same seed, never another seed's
-                assert args.teacher == os.path.join("out", ("mild" if "mild" in name else "stress") + tag)
+                teacher = next((t for t in ("mild", "degraded") if t in name), "stress")
+                assert args.teacher == os.path.join("out", teacher + tag)
         states = {name: reproduce.PARSERS["opd"](runs[name][1]).state_source for name in (f"opd-stress{tag}", f"kd-stress{tag}")}
         assert states == {f"opd-stress{tag}": "student", f"kd-stress{tag}": "teacher"}
         assert reproduce.PARSERS["opd"](runs[f"opd-logits{tag}"][1]).signal == "logits"

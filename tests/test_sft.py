@@ -104,3 +104,27 @@ def test_sft_on_samples_none_of_which_is_right_is_an_input_error(tiny_model, dat
     with pytest.raises(M.InputError, match="no sample of the base is right; raise --samples-per-prompt"):
         sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--answers", "samples", "--train-limit", 2,
                         "--samples-per-prompt", 2, "--max-new-tokens", 4, "--max-steps", 1))
+
+
+def test_wrong_answers_change_the_final_number_of_that_share_of_gold_answers_alone(tiny_model, data_dir, tmp_path,
+                                                                                    monkeypatch):
+    """P3's degraded teacher: the worked steps stay, the number after '####' is wrong in a share of them."""
+    rows = data.load_gsm8k("train", data_dir)
+    assert data.with_wrong_answers(rows, 0.0, seed=3) == rows
+    wrong = data.with_wrong_answers(rows, 0.75, seed=3)
+    assert wrong == data.with_wrong_answers(rows, 0.75, seed=3) != data.with_wrong_answers(rows, 0.75, seed=4)
+    changed = [(r, w) for r, w in zip(rows, wrong) if w != r]
+    assert abs(len(changed) / len(rows) - 0.75) < 0.1
+    for r, w in changed:
+        steps, number = w["answer"].rsplit("#### ", 1)
+        assert steps == r["answer"].rsplit("#### ", 1)[0] and number == w["gold"] == data.extract_answer(w["answer"], "strict")
+        assert 0 < abs(int(number) - round(float(r["gold"]))) <= 9 and int(number) >= min(0, round(float(r["gold"])))
+    # sft.py trains on them: every state it learns is a prefix of a wrong-answer gold solution
+    _, tok = M.load(tiny_model)
+    trained = recorded_states(monkeypatch)
+    sft.main(common(tiny_model, data_dir, tmp_path / "degraded", "--train-limit", 8, "--batch-size", 8,
+                    "--wrong-answers", 0.75, "--max-steps", 1))
+    expected = {(tuple(p + a), len(p)) for p, a in (data.gsm8k_gold_ids(tok, r) for r in
+                                                     data.with_wrong_answers(rows[:8], 0.75, seed=0))}
+    assert set(trained) == expected and expected != {(tuple(p + a), len(p)) for p, a in
+                                                     (data.gsm8k_gold_ids(tok, r) for r in rows[:8])}
