@@ -19,10 +19,10 @@ from model import DEFAULT_MODEL
 # -----------------------------------------------------------------------------
 # flags, device and errors
 
-def number(kind, minimum, above=False, below=None, why=""):
+def number(kind, minimum, above=False, below=None, why="", most=None):
     """An argparse type: a value of kind (int or float) at least minimum (above it, with
-    above=True) and below `below` when given; anything else is argparse's one-line error,
-    ending with why (the reason for the bound) when given."""
+    above=True), below `below` and at most `most` when given; anything else is argparse's
+    one-line error, ending with why (the reason for the bound) when given."""
     def parse(text):
         try:
             value = kind(text)
@@ -30,9 +30,11 @@ def number(kind, minimum, above=False, below=None, why=""):
             what = "a whole number" if kind is int else "a number"
             raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
         low_ok = value > minimum if above else value >= minimum
-        if not low_ok or (below is not None and not value < below):
+        high_ok = (below is None or value < below) and (most is None or value <= most)
+        if not low_ok or not high_ok:
             bound = f"{'above' if above else 'at least'} {minimum}"
             bound += f" and below {below}" if below is not None else ""
+            bound += f" and at most {most}" if most is not None else ""
             reason = f": {why}" if why else ""
             raise argparse.ArgumentTypeError(f"must be {bound}, got {text}{reason}")
         return value

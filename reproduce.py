@@ -7,7 +7,7 @@ teacher with the teacher's own rollouts as states (offline distillation), so tha
 opd-stress and kd-stress differ in the state source alone; and opd-sampled, the OPD most
 used today (the teacher's log-ratio at the student's sampled token as an advantage). And
 P3's pair: OPD and offline distillation from a teacher degraded on purpose (degraded: stress
-SFT with the final number wrong in 3 of 4 gold answers), since the toy's stress SFT gains.
+SFT with every gold answer's final number wrong), since the toy's stress SFT gains.
 
     python reproduce.py                    # preset toy: the CPU-scale model organism (toy.py),
                                            # offline, from the base shipped in toy-base/
@@ -69,8 +69,8 @@ def runs_of(out, seed=0):
         "opd-logits": ("opd", ["--teacher", stress, "--signal", "logits"]),
         "opd-sampled": ("opd", ["--teacher", stress, "--signal", "sampled"]),
         "rl": ("rl", []),
-        # P3's teacher, degraded on purpose: stress SFT with 3 of 4 final numbers wrong
-        "degraded": ("sft", ["--preset", "stress", "--wrong-answers", "0.75"]),
+        # P3's teacher, degraded on purpose: stress SFT with every final number wrong
+        "degraded": ("sft", ["--preset", "stress", "--wrong-answers", "1"]),
         "opd-degraded": ("opd", ["--teacher", degraded]),
         "kd-degraded": ("opd", ["--teacher", degraded, "--state-source", "teacher"]),
     }

@@ -42,7 +42,7 @@ def parse_args(argv):
     p.add_argument("--answers", choices=["gold", "samples"], default="gold", help="(above)")
     p.add_argument("--samples-per-prompt", type=cli.number(int, 1), default=4, help="(above)")
     p.add_argument("--max-new-tokens", type=cli.number(int, 1), default=256, help="(above)")
-    p.add_argument("--wrong-answers", type=cli.number(float, 0, below=1), default=0, help="(above)")
+    p.add_argument("--wrong-answers", type=cli.number(float, 0, most=1), default=0, help="(above)")
     cli.add_training_args(p, lr=None, rank=None, alpha=None, dropout=0.05)
     p.set_defaults(**PRESETS[p.parse_known_args(argv)[0].preset])  # a flag given still wins
     args = p.parse_args(argv)

@@ -33,12 +33,15 @@ def test_number_flags_name_the_bound_and_the_reason(capsys):
     p.add_argument("--n", type=cli.number(int, 2, why="a pair needs two"))
     p.add_argument("--lr", type=cli.number(float, 0, above=True))
     p.add_argument("--p", type=cli.number(float, 0, below=1))
-    assert vars(p.parse_args(["--n", "2", "--lr", "1e-4", "--p", "0"])) == {"n": 2, "lr": 1e-4, "p": 0.0}
+    p.add_argument("--share", type=cli.number(float, 0, most=1))
+    assert vars(p.parse_args(["--n", "2", "--lr", "1e-4", "--p", "0", "--share", "1"])) == {
+        "n": 2, "lr": 1e-4, "p": 0.0, "share": 1.0}
     for argv, message in ((["--n", "1"], "argument --n: must be at least 2, got 1: a pair needs two"),
                           (["--n", "2.5"], "argument --n: '2.5' is not a whole number"),
                           (["--lr", "0"], "argument --lr: must be above 0, got 0"),
                           (["--lr", "nan"], "argument --lr: must be above 0, got nan"),
-                          (["--p", "1"], "argument --p: must be at least 0 and below 1, got 1")):
+                          (["--p", "1"], "argument --p: must be at least 0 and below 1, got 1"),
+                          (["--share", "1.5"], "argument --share: must be at least 0 and at most 1, got 1.5")):
         with pytest.raises(SystemExit) as e:
             p.parse_args(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err

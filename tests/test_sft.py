@@ -115,6 +115,7 @@ def test_wrong_answers_change_the_final_number_of_that_share_of_gold_answers_alo
     assert wrong == data.with_wrong_answers(rows, 0.75, seed=3) != data.with_wrong_answers(rows, 0.75, seed=4)
     changed = [(r, w) for r, w in zip(rows, wrong) if w != r]
     assert abs(len(changed) / len(rows) - 0.75) < 0.1
+    assert all(w["gold"] != r["gold"] for r, w in zip(rows, data.with_wrong_answers(rows, 1, seed=3)))  # every one
     for r, w in changed:
         steps, number = w["answer"].rsplit("#### ", 1)
         assert steps == r["answer"].rsplit("#### ", 1)[0] and number == w["gold"] == data.extract_answer(w["answer"], "strict")
