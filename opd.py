@@ -36,7 +36,6 @@ import cli
 import data
 import lora
 import model as M
-import provenance
 import rl
 import runs
 import train

@@ -21,7 +21,6 @@ import torch
 from tqdm import tqdm
 
 import cli
-import data
 import drift
 import model as M
 import provenance
