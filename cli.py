@@ -12,7 +12,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from files import InputError, read_json
+import provenance
+from files import InputError
 from model import DEFAULT_MODEL
 
 
@@ -119,11 +120,10 @@ def model_and_data_from(args, *folders):
     for name in ("model", "data_dir"):
         source = "given" if getattr(args, name) is not None else "default"
         for folder in filter(None, folders if getattr(args, name) is None else ()):
-            path = os.path.join(folder, "run.json")
-            value = read_json(path).get(name) if os.path.isfile(path) else None
+            value = (provenance.run_record(folder) or {}).get(name)
             if value is not None:
                 setattr(args, name, value)
-                source = f"from {path}"
+                source = f"from {os.path.join(folder, 'run.json')}"
                 break
         if getattr(args, name) is None and name == "model":
             args.model = DEFAULT_MODEL
