@@ -14,7 +14,7 @@ SFT with every gold answer's final number wrong), since the toy's stress SFT gai
     python reproduce.py --preset toy --seeds 3
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
     python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
-    python reproduce.py --study pressure   # P2 at matched pressure (docs/pressure-study.md)
+    python reproduce.py --study frontier   # forgetting at matched gain (docs/frontier-study.md)
 
 Every stage is skipped when its outputs exist (an evaluation or drift only when it is of the
 adapter there now, measured with the preset's flags), and an interrupted training run resumes
@@ -35,9 +35,9 @@ import cli
 import data
 import drift
 import evaluate
+import frontier
 import model as M
 import opd
-import pressure
 import provenance
 import results
 import rl
@@ -78,32 +78,36 @@ def runs_of(out, seed=0):
             for name, (script, argv) in conditions.items()}
 
 
-# the pressure study (docs/pressure-study.md): its arms, each script's learning rates and
-# snapshot spacing
-PRESSURE = {
-    "toy": dict(arms=(*pressure.ARMS, *pressure.ENDS),
-                snapshot_every={"opd": 20, "sft": 21, "rl": 34},
-                lrs={"opd": (1e-3, 3e-3, 6e-3, 1e-2), "sft": (1e-3, 3e-3, 6e-3, 1e-2),
-                     "rl": (3e-4, 1e-3, 3e-3, 1e-2)}),
-    "toy-mini": dict(arms=("student", "data"), snapshot_every={"opd": 1}, lrs={"opd": (1e-3,)}),
+# the frontier study (docs/frontier-study.md): its arms, each script's learning rates (the toy
+# rate, then the high rate the probes chose) and flags (the script's, then an arm's own)
+FRONTIER = {
+    "toy": dict(arms=tuple(frontier.ARMS),
+                lrs={"sft": (2e-3, 6e-3), "rl": (3e-4, 1e-3), "opd": (3e-3, 1e-2)},
+                flags={"sft": ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38"],
+                       "rs-sft": ["--samples-per-prompt", "3", "--max-new-tokens", "96"],
+                       "rl": ["--snapshot-every", "25"],
+                       "opd": ["--steps", "60", "--snapshot-every", "15"]}),
+    "toy-mini": dict(arms=("sft", "rl", "opd-student", "opd-data"),
+                     lrs={"sft": (1e-3,), "rl": (1e-3,), "opd": (1e-3,)},
+                     flags={script: ["--snapshot-every", "1"] for script in ("sft", "rl", "opd")}),
 }
 
 
-def pressure_runs(out, seed=0, preset="toy"):
-    """name -> (script, arguments): the teacher (the toy's RL run, which writes as the base
-    writes), then every arm of the pressure study at each of its script's learning rates, all
-    with the same seed (seed s > 0: names end in -seed<s>)."""
-    spec, tag = PRESSURE[preset], f"-seed{seed}" if seed else ""
-    teacher = os.path.join(out, pressure.TEACHER + tag)
-    conditions = {pressure.TEACHER + tag: ("rl", ["--seed", str(seed)])}
+def frontier_runs(out, seed=0, preset="toy"):
+    """name -> (script, arguments): every arm of the frontier study at each of its script's
+    learning rates, all with the same seed (seed s > 0: names end in -seed<s>). The OPD arms
+    learn from the rl arm's run at its first rate, which comes before them."""
+    spec = FRONTIER[preset]
+    teacher = os.path.join(out, frontier.run_name(frontier.TEACHER_ARM, spec["lrs"]["rl"][0], seed))
+    conditions = {}
     for arm in spec["arms"]:
-        script = arm if arm in pressure.ENDS else "opd"
-        flags = (["--preset", "mild"] if arm == "sft" else [] if arm == "rl" else
-                 ["--teacher", teacher, "--state-source", pressure.ARMS[arm]])
+        script, own = frontier.ARMS[arm]
+        flags = [*spec["flags"].get(script, []), *own,
+                 *(spec["flags"].get(arm, []) if arm != script else []),
+                 *(["--teacher", teacher] if script == "opd" else [])]
         for lr in spec["lrs"][script]:
-            every = str(spec["snapshot_every"][script])
-            conditions[pressure.run_name(arm, lr, seed)] = (script, [
-                *flags, "--lr", str(lr), "--snapshot-every", every, "--seed", str(seed)])
+            conditions[frontier.run_name(arm, lr, seed)] = (
+                script, [*flags, "--lr", str(lr), "--seed", str(seed)])
     return conditions
 
 
@@ -208,9 +212,9 @@ def main(argv=None):
                    help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None,
                    help="output root (default: out for paper, out/<preset> otherwise)")
-    p.add_argument("--study", choices=["main", "pressure"], default="main",
-                   help="main: the paper's conditions; pressure: P2 at matched pressure (toy "
-                        "presets, docs/pressure-study.md)")
+    p.add_argument("--study", choices=["main", "frontier", "pressure"], default="main",
+                   help="main: the paper's conditions; frontier (or its old name, pressure): "
+                        "forgetting at matched gain (toy presets, docs/frontier-study.md)")
     p.add_argument("--pretrain", action="store_true",
                    help="toy presets: pretrain the base here even where the one shipped in "
                         "toy-base/ is the same")
@@ -219,11 +223,12 @@ def main(argv=None):
     if cli.WORLD > 1:  # every process would run the whole study and write the same files
         raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's "
                               "scripts one by one (README: More than one GPU)")
-    if args.study == "pressure" and args.preset not in PRESSURE:
-        raise runs.InputError(f"--study pressure is a toy study: pass --preset "
-                              f"{' or '.join(PRESSURE)}")
+    args.study = "frontier" if args.study == "pressure" else args.study  # its name before
+    if args.study == "frontier" and args.preset not in FRONTIER:
+        raise runs.InputError(f"--study frontier is a toy study: pass --preset "
+                              f"{' or '.join(FRONTIER)}")
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
-    out = os.path.join(out, "pressure") if args.study == "pressure" and not args.out else out
+    out = os.path.join(out, "frontier") if args.study == "frontier" and not args.out else out
     # held: a second reproduce.py in the same folder would train the same runs at once
     with runs.holding(out):
         study(args, PRESETS[args.preset], out)
@@ -257,7 +262,7 @@ def study(args, preset, out):
     conditions = {}
     for seed in range(args.seeds):
         conditions.update(runs_of(out, seed) if args.study == "main" else
-                          pressure_runs(out, seed, args.preset))
+                          frontier_runs(out, seed, args.preset))
     base_eval = [*preset["eval"], *preset.get("eval_base", [])]  # the base's: also its band's
     stages = Stages(out)
     stages.run([("evaluate base", evaluated([out], model, base_eval),
@@ -268,15 +273,16 @@ def study(args, preset, out):
                 condition_stages(args.preset, out, name, script, extra, model, common)])
     drift_settings = {**vars(parsed(drift.add_drift_args, preset["drift"])), "model": model}
 
-    def unmeasured():
-        folders = [os.path.join(out, name) for name in conditions]
+    def unmeasured():  # every run, and each snapshot of one: a point of its own
+        folders = [f for name in conditions for f in (
+            *frontier.snapshots(os.path.join(out, name)), os.path.join(out, name))]
         return [f for f in folders
                 if not provenance.current(f, "drift.json", ["drift"], drift_settings)]
     stages.run([("drift", lambda: not unmeasured(),
                  lambda: drift.main([*unmeasured(), "--out", out, *common, *preset["drift"]]))])
 
     table = results.write_results(out, preset=args.preset, model=model, timings=stages.timings)
-    print(table if args.study == "main" else pressure.write_report(out))
+    print(table if args.study == "main" else frontier.write_report(out))
     took = ", ".join(f"{k} {v:.0f}" for k, v in stages.timings.items())
     print(f"time of each stage (s): {took}; in all {sum(stages.timings.values()) / 60:.1f} min")
     if stages.ran == 0:
@@ -305,7 +311,7 @@ def condition_stages(preset_name, out, name, script, extra, model, common):
         SCRIPTS[script]([*argv, *(["--resume"] if runs.last_checkpoint(folder) else [])])
 
     def unevaluated_snapshots():
-        return [f for f in pressure.snapshots(folder)
+        return [f for f in frontier.snapshots(folder)
                 if not evaluated([f], model, preset["eval"])()]
 
     def evaluate_them(*folders):

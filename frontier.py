@@ -1,0 +1,293 @@
+"""
+The frontier study's report (docs/frontier-study.md): forgetting at matched gain on the target.
+Each arm (a method and where its states come from) runs at a few learning rates with
+snapshots along the way; every run end and snapshot is a point (GSM8K gain over the base,
+forgetting, update norm, KL to the base, state distance, MMD^2). An arm's frontier is the
+least forgetting it reaches for at least a given gain; pairs of arms that differ in their
+states are compared along it by the rule fixed before the runs.
+
+    python frontier.py out/toy/frontier     # frontier.md, frontier.json, frontier.png again
+"""
+import argparse
+import math
+import os
+import re
+import statistics
+
+import cli
+import figures
+import model as M
+import provenance
+import results
+import runs
+
+# arm -> (script, its flags): where each arm's states and signal come from
+ARMS = {"sft": ("sft", []),  # the gold answers' states
+        "rs-sft": ("sft", ["--answers", "samples"]),  # the base's own right samples
+        "rl": ("rl", []),  # the learner's rollouts, scored by the reward
+        "opd-student": ("opd", ["--state-source", "student"]),  # the teacher's signal, own states
+        "opd-data": ("opd", ["--state-source", "data"]),  # the same signal, the gold states
+        "kd": ("opd", ["--state-source", "teacher"])}  # the same signal, the teacher's states
+# (on-policy arm, off-policy arm): each pair changes where the states come from
+PAIRS = (("rl", "sft"), ("rs-sft", "sft"), ("opd-student", "opd-data"))
+TEACHER_ARM = "rl"  # the OPD arms' teacher: the rl arm's run at its first learning rate
+GRID = 8  # matched gains over a pair's overlap
+MIN_OVERLAP = 0.1  # a pair whose arms share less range of gain is not tested
+JUMP = 0.5  # nats per token: a run whose own states moved this far from the base while it trained
+
+
+def run_name(arm, lr, seed=0):
+    return f"{arm}-lr{lr:g}" + (f"-seed{seed}" if seed else "")
+
+
+def parse_name(name):
+    """(arm, lr, seed) of a run_name, or None for another folder."""
+    m = re.fullmatch(r"([a-z-]+?)-lr([0-9.e+-]+?)(?:-seed(\d+))?", name)
+    return (m[1], float(m[2]), int(m[3] or 0)) if m and m[1] in ARMS else None
+
+
+def degenerate(folder):
+    """Whether the run's own states moved away while it trained: the mean state_nll_base of its
+    last fifth of steps exceeds that of its first fifth by more than JUMP."""
+    log = runs.read_log(os.path.join(folder, "log.jsonl"))
+    nll = [r["state_nll_base"] for r in log if "state_nll_base" in r]
+    k = max(1, len(nll) // 5)
+    return len(nll) >= 2 and sum(nll[-k:]) / k - sum(nll[:k]) / k > JUMP
+
+
+def snapshots(folder):
+    """A finished run's snapshot folders before its last step (the last is the run itself)."""
+    root, last = os.path.join(folder, "snapshots"), provenance.run_record(folder)["finished_steps"]
+    if not os.path.isdir(root):
+        return []
+    return [os.path.join(root, s) for s in sorted(os.listdir(root)) if s != f"step-{last:06d}"]
+
+
+PREDICTORS = tuple(k for k, _ in results.PREDICTORS)  # update_norm, mmd2, state_distance, kl
+
+
+def point(row, folder, base_gsm8k, **where):
+    """A point of the study from a results row of a run's end or snapshot."""
+    return dict(**where, step=provenance.run_record(folder)["finished_steps"],
+                gain=row["gsm8k"] - base_gsm8k, forgetting=row["forgetting"],
+                **{k: row[k] for k in PREDICTORS})
+
+
+def collect(root):
+    """(the base's eval, every point): each run's end and evaluated snapshots, with its arm,
+    learning rate, seed and whether it is degenerate; rows as results.table_rows reads them."""
+    found = results.collect_runs(root)
+    base_gsm8k = found["base"]["eval"]["gsm8k"]["flexible"]
+    points = []
+    for row in results.table_rows(found):
+        parsed = parse_name(row["run"])
+        if parsed is None:
+            continue
+        folder = found[row["run"]]["folder"]
+        where = dict(run=row["run"], arm=parsed[0], lr=parsed[1], seed=parsed[2],
+                     degenerate=degenerate(folder))
+        shots = results.collect_runs(os.path.join(folder, "snapshots"))
+        for snap in results.table_rows(shots):
+            points.append(point(snap, shots[snap["run"]]["folder"], base_gsm8k, **where))
+        points.append(point(row, folder, base_gsm8k, **where))
+    return found["base"]["eval"], points
+
+
+def by_arm(points):
+    """{arm: {seed: [points]}} of the points of runs not marked degenerate."""
+    out = {}
+    for p in points:
+        if not p["degenerate"]:
+            out.setdefault(p["arm"], {}).setdefault(p["seed"], []).append(p)
+    return out
+
+
+def frontier(points, gain):
+    """The least forgetting among the points with at least this gain (None: none reaches it)."""
+    reached = [p["forgetting"] for p in points if p["gain"] >= gain]
+    return min(reached) if reached else None
+
+
+def compare(on, off, question_se):
+    """The rule's reading of one pair ({seed: points} each): over the gains both arms reach in
+    every seed, (0, G], d = forgetting(off) - forgetting(on) at GRID gains G/GRID .. G, its mean
+    over seeds and standard error (question_se with one seed); the verdict."""
+    seeds = sorted(set(on) & set(off))
+    if not seeds:
+        return dict(verdict="not tested", why="an arm has no points", grid=[])
+    top = min(max(p["gain"] for p in arm[s]) for arm in (on, off) for s in seeds)
+    if top < MIN_OVERLAP:
+        return dict(verdict="not tested", seeds=len(seeds), top=top, grid=[],
+                    why=f"the arms share gains up to {top:+.3f} only, under {MIN_OVERLAP}")
+    grid = []
+    for g in (top * i / GRID for i in range(1, GRID + 1)):
+        d = [frontier(off[s], g) - frontier(on[s], g) for s in seeds]
+        se = (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else question_se)
+        grid.append(dict(gain=g, d=statistics.mean(d), se=se))
+    verdict = ("supported" if all(x["d"] > 2 * x["se"] for x in grid) else
+               "refuted" if all(abs(x["d"]) <= 2 * x["se"] for x in grid) else "undecided")
+    return dict(verdict=verdict, seeds=len(seeds), top=top, grid=grid)
+
+
+def question_se(base):
+    """One seed's standard error of a difference of two forgetting values: the questions' noise."""
+    m, t = base["mmlu"]["acc"], base["truthfulqa"]["mc1"]
+    return 0.5 * math.sqrt(2 * m * (1 - m) / base["mmlu"]["n"]
+                           + 2 * t * (1 - t) / base["truthfulqa"]["n"])
+
+
+def reading(root):
+    """frontier.json's content: every point, each pair's comparison, the predictors."""
+    base, points = collect(root)
+    arms, se = by_arm(points), question_se(base)
+    kept = [p for p in points if not p["degenerate"]]
+    return dict(points=points, question_se=se,
+                pairs=[dict(on=on, off=off, **compare(arms.get(on, {}), arms.get(off, {}), se))
+                       for on, off in PAIRS],
+                predictors={k: results.drift_vs_forgetting(kept, k) for k in PREDICTORS})
+
+
+def ends(points):
+    """Per (arm, lr), the runs' last points over seeds: seeds, degenerate runs, and the mean
+    and standard deviation over seeds of update norm, forgetting, gain, KL, state distance."""
+    last = {}
+    for p in points:
+        if p["step"] >= last.get(p["run"], p)["step"]:
+            last[p["run"]] = p
+    groups = {}
+    for p in last.values():
+        groups.setdefault((p["arm"], p["lr"]), []).append(p)
+    rows = []
+    for (arm, lr), group in sorted(groups.items(), key=lambda kv: (list(ARMS).index(kv[0][0]),
+                                                                   kv[0][1])):
+        row = dict(arm=arm, lr=lr, seeds=len(group), degenerate=sum(p["degenerate"] for p in group))
+        for k in ("update_norm", "forgetting", "gain", "kl_to_base", "state_distance"):
+            values = [p[k] for p in group if p[k] is not None]
+            row[k] = (statistics.mean(values) if values else None,
+                      statistics.stdev(values) if len(values) > 1 else None)
+        rows.append(row)
+    return rows
+
+
+END_COLUMNS = (("update_norm", ".1f"), ("forgetting", ".3f"), ("gain", ".3f"),
+               ("kl_to_base", ".3g"), ("state_distance", ".2f"))
+
+
+def ends_lines(points):
+    lines = ["The end of each run over seeds, mean±standard deviation:", "",
+             "| arm | lr | seeds | update norm | forgetting | GSM8K gain | KL to base | "
+             "state distance | degenerate |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in ends(points):
+        marked = f"{e['degenerate']} of {e['seeds']}" if e["degenerate"] else ""
+        cells = [results.fmt(e[k][0], spec, e[k][1]) for k, spec in END_COLUMNS]
+        lines.append(f"| {e['arm']} | {e['lr']:g} | {e['seeds']} | {' | '.join(cells)} | "
+                     f"{marked} |")
+    return lines
+
+
+def point_lines(points):
+    lines = ["Every point (a run's snapshots and its end):", "",
+             "| run | seed | step | update norm | forgetting | GSM8K gain | KL to base | "
+             "state distance | MMD^2 | degenerate |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for p in points:
+        cells = [results.fmt(p[k], spec) for k, spec in (*END_COLUMNS, ("mmd2", ".4g"))]
+        lines.append(f"| {p['run']} | {p['seed']} | {p['step']} | {' | '.join(cells)} | "
+                     f"{'yes' if p['degenerate'] else ''} |")
+    return lines
+
+
+def pair_lines(r):
+    lines = [f"P2 at matched gain, by the rule (d = forgetting of the off-policy arm minus the "
+             f"on-policy arm's; one seed's standard error: {r['question_se']:.3f}):", ""]
+    for c in r["pairs"]:
+        head = f"- **{c['on']} against {c['off']}: {c['verdict']}**"
+        if not c["grid"]:
+            lines.append(f"{head} ({c['why']})")
+            continue
+        grid = ", ".join(f"{x['d']:+.3f} ({x['se']:.3f})" for x in c["grid"])
+        lines.append(f"{head}, at gains {c['top'] / GRID:.3f} to {c['top']:.3f}, {c['seeds']} "
+                     f"seed(s); d (standard error): {grid}")
+    return lines
+
+
+def predictor_lines(r):
+    lines = ["What predicts forgetting over every point of a run not marked degenerate (RL's "
+             "Razor: R^2 0.96 on its toy, 0.71 on LLMs, for the KL to the base):", "",
+             "| predictor | points | Spearman | p | R^2 | p |", "|---|---|---|---|---|---|"]
+    for key, name in results.PREDICTORS:
+        c = r["predictors"][key]
+        if c is not None:
+            lines.append(f"| {name} | {c['n']} | {c['spearman']:.2f} | "
+                         f"{results.p_value(c['spearman_p'])} | {c['pearson'] ** 2:.2f} | "
+                         f"{results.p_value(c['pearson_p'])} |")
+    return lines
+
+
+def markdown(r):
+    parts = (["# The frontier study"], ends_lines(r["points"]), pair_lines(r), predictor_lines(r),
+             point_lines(r["points"]))
+    return "\n\n".join("\n".join(p) for p in parts) + "\n"
+
+
+def envelope(arm, step=0.01):
+    """(gains, mean frontier over seeds, lowest, highest) from no gain up to the highest gain
+    every seed of the arm ({seed: points}) reaches, in steps of `step`."""
+    top = min(max(p["gain"] for p in pts) for pts in arm.values())
+    gains = [i * step for i in range(int(max(top, 0) / step) + 1)]
+    per_seed = [[frontier(pts, g) for g in gains] for pts in arm.values()]
+    columns = list(zip(*per_seed))
+    return (gains, [statistics.mean(c) for c in columns], [min(c) for c in columns],
+            [max(c) for c in columns])
+
+
+def plot(root, r):
+    """frontier.png: each arm's frontier (forgetting against gain, the mean over seeds with
+    their range as a band, every point faint) and forgetting against the KL to the base."""
+    plt = figures.pyplot()
+    if plt is None:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for arm, seeds in by_arm(r["points"]).items():
+        gains, mean, lo, hi = envelope(seeds)
+        line, = left.plot(gains, mean, "-", label=arm)
+        left.fill_between(gains, lo, hi, color=line.get_color(), alpha=0.15)
+        pts = [p for s in seeds.values() for p in s]
+        left.plot([p["gain"] for p in pts], [p["forgetting"] for p in pts], ".",
+                  color=line.get_color(), alpha=0.3, ms=3)
+        right.plot([p["kl_to_base"] for p in pts], [p["forgetting"] for p in pts], "o", ms=3,
+                   color=line.get_color(), label=arm)
+    left.set(xlabel="GSM8K gain over the base", ylabel="forgetting (least at that gain or more)",
+             title="the frontier: forgetting at matched gain")
+    right.set(xscale="log", xlabel="KL to the base on the target (RL's Razor)",
+              ylabel="forgetting", title="every point")
+    left.legend(fontsize=7)
+    path = os.path.join(root, "frontier.png")
+    fig.tight_layout()
+    M.write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
+    plt.close(fig)
+    return path
+
+
+def write_report(root):
+    """frontier.json, frontier.md and frontier.png in root; returns the markdown."""
+    r = reading(root)
+    M.write_json(os.path.join(root, "frontier.json"), r)
+    text = markdown(r)
+    M.write_atomic(os.path.join(root, "frontier.md"), lambda p: open(p, "w").write(text))
+    plot(root, r)
+    return text
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("root", help="the frontier study's folder (reproduce.py --study frontier)")
+    args = p.parse_args(argv)
+    if not os.path.isfile(os.path.join(args.root, "eval.json")):
+        raise M.InputError(f"{args.root} holds no base evaluation (eval.json); run python "
+                           f"reproduce.py --study frontier")
+    print(write_report(args.root))
+
+
+if __name__ == "__main__":
+    cli.run_script(main)

@@ -1,0 +1,128 @@
+"""frontier.py and reproduce.py --study frontier: forgetting at matched gain, by its rule."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import frontier
+import reproduce
+from conftest import ROOT
+
+
+def arm(*pairs):
+    """{seed 0: points} of (gain, forgetting) pairs."""
+    return {0: [dict(gain=g, forgetting=f) for g, f in pairs]}
+
+
+def seeds(*arms):
+    return {s: a[0] for s, a in enumerate(arms)}
+
+
+def test_the_frontier_is_the_least_forgetting_at_a_gain_reached():
+    points = arm((0.05, 0.00), (0.20, 0.30), (0.30, 0.10), (-0.1, -0.05))[0]
+    assert frontier.frontier(points, 0.0) == 0.00  # the loss of the target does not count as a gain
+    assert frontier.frontier(points, 0.10) == 0.10  # 0.30 forgets less than 0.20 and gains more
+    assert frontier.frontier(points, 0.30) == 0.10 and frontier.frontier(points, 0.31) is None
+
+
+def test_the_rule_reads_supported_refuted_undecided_and_not_tested():
+    on = arm((0.1, 0.00), (0.4, 0.02))
+    off = arm((0.2, 0.10), (0.3, 0.20))  # reaches 0.3 at most: the overlap is (0, 0.3]
+    c = frontier.compare(on, off, question_se=0.02)
+    assert c["verdict"] == "supported" and c["top"] == 0.3 and len(c["grid"]) == frontier.GRID
+    assert [x["gain"] for x in c["grid"]] == pytest.approx([0.3 * i / 8 for i in range(1, 9)])
+    # gain 0.0375 and 0.15: on reaches both with 0.00 then 0.02; off with 0.10 then 0.10
+    assert c["grid"][0]["d"] == pytest.approx(0.10) and c["grid"][3]["d"] == pytest.approx(0.10 - 0.02)
+    assert c["grid"][0]["se"] == 0.02  # one seed: the questions' noise
+    assert frontier.compare(on, on, 0.02)["verdict"] == "refuted"
+    steep = arm((0.1, 0.00), (0.4, 0.30))  # the off-policy arm forgets more at small gains, less at large ones
+    assert frontier.compare(steep, arm((0.4, 0.10)), 0.02)["verdict"] == "undecided"
+    short = frontier.compare(on, arm((0.05, 0.5), (0.09, 0.6)), 0.02)
+    assert short["verdict"] == "not tested" and "under 0.1" in short["why"]
+    assert frontier.compare(on, {}, 0.02)["verdict"] == "not tested"
+    # with seeds, the standard error is theirs: the same mean difference, once steady and once not
+    steady = frontier.compare(seeds(on, on, on), seeds(*[arm((0.4, 0.1))] * 3), question_se=1.0)
+    assert steady["verdict"] == "supported" and steady["grid"][0]["se"] == pytest.approx(0, abs=1e-12)
+    noisy = frontier.compare(seeds(on, on, on), seeds(arm((0.4, 0.3)), arm((0.4, -0.1)), arm((0.4, 0.1))),
+                             question_se=0.0)
+    assert noisy["verdict"] == "refuted" and noisy["grid"][0]["se"] == pytest.approx(0.2 / math.sqrt(3))
+
+
+def log_run(folder, nll):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "log.jsonl"), "w") as f:
+        f.writelines(json.dumps({"step": i + 1, "state_nll_base": v}) + "\n" for i, v in enumerate(nll))
+
+
+def test_a_run_whose_own_states_moved_away_is_marked_degenerate_and_left_off_the_frontier(tmp_path):
+    log_run(tmp_path / "a", [0.2] * 8 + [0.9, 0.9])
+    log_run(tmp_path / "b", [0.2] * 8 + [0.6, 0.6])  # a rise of 0.4 nats: within the bound
+    assert frontier.degenerate(str(tmp_path / "a")) and not frontier.degenerate(str(tmp_path / "b"))
+    points = [dict(arm="rl", seed=0, degenerate=True, gain=0.5, forgetting=0.0),
+              dict(arm="rl", seed=1, degenerate=False, gain=0.1, forgetting=0.2)]
+    assert frontier.by_arm(points) == {"rl": {1: [points[1]]}}
+
+
+def test_run_names_round_trip_and_other_folders_are_not_arms():
+    for a in frontier.ARMS:
+        assert frontier.parse_name(frontier.run_name(a, 3e-3, 2)) == (a, 3e-3, 2)
+        assert frontier.parse_name(frontier.run_name(a, 1e-2)) == (a, 1e-2, 0)
+    assert frontier.parse_name("base-model") is None and frontier.parse_name("mild-seed1") is None
+
+
+def test_each_arm_has_its_scripts_flags_and_the_opd_arms_learn_from_the_rl_arm():
+    runs = reproduce.frontier_runs("out/f", seed=1)
+    assert len(runs) == 6 * 2 and list(runs).index("rl-lr0.0003-seed1") < list(runs).index("opd-student-lr0.003-seed1")
+    teacher = ["--teacher", "out/f/rl-lr0.0003-seed1"]
+    mild = ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38"]
+    assert runs["sft-lr0.006-seed1"] == ("sft", [*mild, "--lr", "0.006", "--seed", "1"])
+    assert runs["rs-sft-lr0.002-seed1"] == ("sft", [*mild, "--answers", "samples", "--samples-per-prompt", "3",
+                                                    "--max-new-tokens", "96", "--lr", "0.002", "--seed", "1"])
+    assert runs["rl-lr0.001-seed1"] == ("rl", ["--snapshot-every", "25", "--lr", "0.001", "--seed", "1"])
+    for name, source in (("opd-student", "student"), ("opd-data", "data"), ("kd", "teacher")):
+        assert runs[f"{name}-lr0.01-seed1"] == ("opd", ["--steps", "60", "--snapshot-every", "15", "--state-source",
+                                                        source, *teacher, "--lr", "0.01", "--seed", "1"])
+
+
+def test_the_summary_reads_each_runs_end_over_seeds():
+    def point(seed, step, norm, forgetting, bad=False):
+        return dict(run=frontier.run_name("opd-student", 1e-3, seed), arm="opd-student", lr=1e-3, seed=seed,
+                    step=step, update_norm=norm, forgetting=forgetting, gain=0.01 * seed, state_distance=0.1,
+                    kl_to_base=1.0, mmd2=0.01, degenerate=bad)
+    points = [point(0, 20, 1.0, 0.50), point(0, 60, 2.0, 0.10), point(1, 60, 4.0, 0.30, bad=True),
+              point(1, 20, 3.0, 0.90)]  # snapshots (step 20) are not ends, in whatever order they come
+    (row,) = frontier.ends(points)
+    assert (row["arm"], row["lr"], row["seeds"], row["degenerate"]) == ("opd-student", 1e-3, 2, 1)
+    assert row["update_norm"] == pytest.approx((3.0, math.sqrt(2)))
+    assert row["forgetting"] == pytest.approx((0.2, math.sqrt(0.02)))
+    report = dict(points=points, question_se=0.02, predictors={k: None for k in frontier.PREDICTORS},
+                  pairs=[dict(on="rl", off="sft", verdict="not tested", why="an arm has no points", grid=[])])
+    text = frontier.markdown(report)
+    assert "| opd-student | 0.001 | 2 | 3.0±1.4 | 0.200±0.141 | 0.005±0.007 | 1±0 | 0.10±0.00 | 1 of 2 |" in text
+    assert "- **rl against sft: not tested** (an arm has no points)" in text
+
+
+def test_frontier_study_runs_end_to_end_in_miniature(tmp_path):
+    out = tmp_path / "frontier"
+    cmd = [sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "toy-mini", "--study", "pressure", "--out",
+           str(out)]  # the study's name before, kept
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "frontier.json").read_text())
+    points = {(p["arm"], p["step"]) for p in report["points"]}
+    assert points == {("sft", 1), ("sft", 2), ("sft", 3), ("rl", 1), ("rl", 2), ("opd-student", 1),
+                      ("opd-student", 2), ("opd-data", 1), ("opd-data", 2)}  # each snapshot and each end
+    for p in report["points"]:  # every point evaluated and measured, snapshots as ends
+        assert None not in (p["forgetting"], p["kl_to_base"], p["mmd2"], p["update_norm"]), p
+    assert (out / "rl-lr0.001" / "snapshots" / "step-000001" / "drift.json").is_file()
+    run = json.loads((out / "opd-data-lr0.001" / "run.json").read_text())
+    assert run["state_source"] == "data" and run["teacher"] == str(out / "rl-lr0.001")
+    assert [(c["on"], c["off"]) for c in report["pairs"]] == list(frontier.PAIRS)
+    assert "P2 at matched gain" in (out / "frontier.md").read_text()
+    assert (out / "frontier.png").stat().st_size > 1000
+    wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
+                            "frontier"], capture_output=True, text=True)
+    assert wrong.returncode != 0 and "--study frontier is a toy study: pass --preset toy or toy-mini" in wrong.stderr
