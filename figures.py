@@ -29,12 +29,12 @@ def pyplot():
 def state_source(run_name):
     """Where a condition's training states come from: the dataset's (data), the teacher's, the
     learner's own (student)."""
-    c = runs.condition(run_name)
-    if c in ("mild", "stress", "degraded"):
+    c = runs.condition(run_name)  # the main study's conditions, or the frontier study's arms
+    if c in ("mild", "stress", "degraded") or c.startswith(("sft-", "opd-data-")):
         return "data"
     if c.startswith("kd-"):
         return "teacher"
-    return "student" if c.startswith(("opd", "rl")) else "other"
+    return "student" if c.startswith(("opd", "rl", "rs-sft-")) else "other"
 
 
 def plot(out, rows):

@@ -288,9 +288,11 @@ def test_training_curves_merge_seeds_into_a_mean_and_a_band_and_figures_stay_opt
             [{"step": t, "loss": v} for t, v in enumerate([2.0, 2.0, 2.0], 1)] + [{"step": 4, "reward": 1.0}]]
     assert figures.curve(logs, "loss") == ([1, 2, 3], [3.0, 2.0, 1.0], [2.0, 2.0, 0.0], [4.0, 2.0, 2.0])  # steps both logs hold
     assert figures.curve(logs, "loss", window=2)[1] == [3.0, 2.5, 1.5]  # each log's running mean first: 4 3 1 / 2 2 2
-    names = ("stress-seed1", "kd-stress", "opd-sampled", "rl", "base", "degraded-seed2", "kd-degraded", "opd-degraded")
+    names = ("stress-seed1", "kd-stress", "opd-sampled", "rl", "base", "degraded-seed2", "kd-degraded", "opd-degraded",
+             "sft-lr0.002", "rs-sft-lr0.006-seed1", "opd-data-lr0.01", "opd-student-lr0.01", "kd-lr0.003-seed2")
     assert [figures.state_source(n) for n in names] == [
-        "data", "teacher", "student", "student", "other", "data", "teacher", "student"]
+        "data", "teacher", "student", "student", "other", "data", "teacher", "student",
+        "data", "student", "data", "student", "teacher"]  # the frontier study's arms too
     for name, records in (("stress", logs[0]), ("stress-seed1", logs[1]), ("rl", logs[1])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
