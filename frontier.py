@@ -231,9 +231,12 @@ def markdown(r):
 
 def envelope(arm, step=0.01):
     """(gains, mean frontier over seeds, lowest, highest) from no gain up to the highest gain
-    every seed of the arm ({seed: points}) reaches, in steps of `step`."""
+    every seed of the arm ({seed: points}) reaches, in steps of `step`; None if a seed gains
+    nothing."""
     top = min(max(p["gain"] for p in pts) for pts in arm.values())
-    gains = [i * step for i in range(int(max(top, 0) / step) + 1)]
+    if top < 0:
+        return None
+    gains = [i * step for i in range(int(top / step) + 1)]
     per_seed = [[frontier(pts, g) for g in gains] for pts in arm.values()]
     columns = list(zip(*per_seed))
     return (gains, [statistics.mean(c) for c in columns], [min(c) for c in columns],
@@ -248,10 +251,10 @@ def plot(root, r):
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for arm, seeds in by_arm(r["points"]).items():
-        gains, mean, lo, hi = envelope(seeds)
-        line, = left.plot(gains, mean, "-", label=arm)
-        left.fill_between(gains, lo, hi, color=line.get_color(), alpha=0.15)
-        pts = [p for s in seeds.values() for p in s]
+        curve, pts = envelope(seeds), [p for s in seeds.values() for p in s]
+        line, = left.plot(*(curve[:2] if curve else ([], [])), "-", label=arm)
+        if curve:
+            left.fill_between(curve[0], curve[2], curve[3], color=line.get_color(), alpha=0.15)
         left.plot([p["gain"] for p in pts], [p["forgetting"] for p in pts], ".",
                   color=line.get_color(), alpha=0.3, ms=3)
         right.plot([p["kl_to_base"] for p in pts], [p["forgetting"] for p in pts], "o", ms=3,

@@ -26,6 +26,11 @@ def test_the_frontier_is_the_least_forgetting_at_a_gain_reached():
     assert frontier.frontier(points, 0.0) == 0.00  # the loss of the target does not count as a gain
     assert frontier.frontier(points, 0.10) == 0.10  # 0.30 forgets less than 0.20 and gains more
     assert frontier.frontier(points, 0.30) == 0.10 and frontier.frontier(points, 0.31) is None
+    # the figure's curve: the mean over seeds up to the gain every seed reaches, the seeds' range as a band
+    gains, mean, lo, hi = frontier.envelope({0: points, 1: arm((0.02, 0.04))[0]}, step=0.01)
+    assert gains == pytest.approx([0.0, 0.01, 0.02]) and mean == pytest.approx([0.02] * 3)
+    assert (lo, hi) == ([0.0] * 3, [0.04] * 3)
+    assert frontier.envelope({0: points, 1: arm((-0.02, 0.04))[0]}) is None  # a seed that gains nothing: no curve
 
 
 def test_the_rule_reads_supported_refuted_undecided_and_not_tested():
