@@ -250,7 +250,8 @@ def plot(root, r):
     if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for arm, seeds in by_arm(r["points"]).items():
+    arms = by_arm(r["points"])
+    for arm, seeds in ((a, arms[a]) for a in ARMS if a in arms):  # the same colour for each arm
         curve, pts = envelope(seeds), [p for s in seeds.values() for p in s]
         line, = left.plot(*(curve[:2] if curve else ([], [])), "-", label=arm)
         if curve:
