@@ -57,9 +57,10 @@ def degenerate(folder):
 
 def snapshots(folder):
     """A finished run's snapshot folders before its last step (the last is the run itself)."""
-    root, last = os.path.join(folder, "snapshots"), provenance.run_record(folder)["finished_steps"]
-    if not os.path.isdir(root):
+    root = os.path.join(folder, "snapshots")
+    if not os.path.isdir(root):  # a run without --snapshot-every: run.json need not be read
         return []
+    last = provenance.run_record(folder)["finished_steps"]
     return [os.path.join(root, s) for s in sorted(os.listdir(root)) if s != f"step-{last:06d}"]
 
 

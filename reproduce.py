@@ -79,17 +79,18 @@ def runs_of(out, seed=0):
 
 
 # the frontier study (docs/frontier-study.md): its arms, each script's learning rates (the toy
-# rate, then the high rate the probes chose) and flags (the script's, then an arm's own)
+# rate, then the high rate the probes chose), each script's flags and an arm's own
 FRONTIER = {
     "toy": dict(arms=tuple(frontier.ARMS),
                 lrs={"sft": (2e-3, 6e-3), "rl": (3e-4, 1e-3), "opd": (3e-3, 1e-2)},
                 flags={"sft": ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38"],
-                       "rs-sft": ["--samples-per-prompt", "3", "--max-new-tokens", "96"],
                        "rl": ["--snapshot-every", "25"],
-                       "opd": ["--steps", "60", "--snapshot-every", "15"]}),
+                       "opd": ["--steps", "60", "--snapshot-every", "15"]},
+                arm_flags={"rs-sft": ["--samples-per-prompt", "3", "--max-new-tokens", "96"]}),
     "toy-mini": dict(arms=("sft", "rl", "opd-student", "opd-data"),
                      lrs={"sft": (1e-3,), "rl": (1e-3,), "opd": (1e-3,)},
-                     flags={script: ["--snapshot-every", "1"] for script in ("sft", "rl", "opd")}),
+                     flags={script: ["--snapshot-every", "1"] for script in ("sft", "rl", "opd")},
+                     arm_flags={}),
 }
 
 
@@ -102,8 +103,7 @@ def frontier_runs(out, seed=0, preset="toy"):
     conditions = {}
     for arm in spec["arms"]:
         script, own = frontier.ARMS[arm]
-        flags = [*spec["flags"].get(script, []), *own,
-                 *(spec["flags"].get(arm, []) if arm != script else []),
+        flags = [*spec["flags"][script], *own, *spec["arm_flags"].get(arm, []),
                  *(["--teacher", teacher] if script == "opd" else [])]
         for lr in spec["lrs"][script]:
             conditions[frontier.run_name(arm, lr, seed)] = (
