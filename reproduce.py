@@ -26,8 +26,11 @@ download): it checks that the pipeline works end to end, and its numbers mean no
 """
 import argparse
 import json
+import multiprocessing
 import os
+import sys
 import time
+from concurrent import futures
 
 import torch
 
@@ -84,7 +87,7 @@ FRONTIER = {
     "toy": dict(arms=tuple(frontier.ARMS),
                 lrs={"sft": (2e-3, 6e-3), "rl": (3e-4, 1e-3), "opd": (3e-3, 1e-2)},
                 flags={"sft": ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38"],
-                       "rl": ["--snapshot-every", "25"],
+                       "rl": ["--group-size", "8", "--snapshot-every", "25"],  # as it ran
                        "opd": ["--steps", "60", "--snapshot-every", "15"]},
                 arm_flags={"rs-sft": ["--samples-per-prompt", "3", "--max-new-tokens", "96"]}),
     "toy-mini": dict(arms=("sft", "rl", "opd-student", "opd-data"),
@@ -137,8 +140,8 @@ PRESETS = {
                "mild": ["--lr", "2e-3", "--epochs", "3"],
                "stress": ["--lr", "5e-3"],
                "degraded": ["--lr", "5e-3"],
-               "rl": ["--steps", "100", "--prompts-per-step", "4", "--max-new-tokens", "96",
-                      "--lr", "3e-4", "--warmup", "0.05"],
+               "rl": ["--steps", "100", "--prompts-per-step", "4", "--group-size", "16",
+                      "--max-new-tokens", "96", "--lr", "3e-4", "--warmup", "0.05"],
                "opd": ["--steps", "120", "--max-new-tokens", "96",
                        "--continuation-tokens", "32", "--lr", "3e-3"]},
         eval=TOY_EVAL + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0",
@@ -182,26 +185,86 @@ def build_smoke_model(folder, data_dir):
 
 
 class Stages:
-    """Runs named stages once each, timing them into timings.json. A stage is (name, done,
-    run): done() is asked just before it, so that it sees what the stages before it made."""
+    """Runs named stages once each, timing them into timings.json (out None: a worker's, whose
+    timings go back to the study). A stage is (name, done, run): done() is asked just before
+    it, so that it sees what the stages before it made."""
 
     def __init__(self, out):
-        self.path = os.path.join(out, "timings.json")
-        self.timings = json.load(open(self.path)) if os.path.isfile(self.path) else {}
+        self.path = out and os.path.join(out, "timings.json")
+        self.timings = json.load(open(self.path)) if out and os.path.isfile(self.path) else {}
         self.ran = 0
 
     def run(self, stages):
-        for name, done, run in stages:
-            if done():
-                print(f"[done already] {name}")
-                continue
-            print(f"[running] {name}")
+        for name, done, run in self.todo(stages):
             t0 = time.time()
             run()
-            self.timings[name] = round(time.time() - t0, 1)
+            self.record({name: time.time() - t0})
+
+    def todo(self, stages):
+        """The stages not done yet, each said as done already or running."""
+        left = [stage for stage in stages if not stage[1]()]
+        for name, _, _ in stages:
+            print(f"[{'running' if any(s[0] == name for s in left) else 'done already'}] {name}")
+        return left
+
+    def record(self, timings):
+        for name, seconds in timings.items():
+            self.timings[name] = round(seconds, 1)
             self.ran += 1
+            print(f"[finished] {name} in {seconds:.1f}s")
+        if self.path:
             M.write_json(self.path, self.timings)
-            print(f"[finished] {name} in {self.timings[name]:.1f}s")
+
+
+def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
+    """Every condition's stages (condition_stages). With jobs > 1, up to that many conditions
+    at once, each in a process of its own with an equal share of the CPU threads, a condition
+    once its teacher's run is done: a tiny model's steps run on two threads little faster than
+    on one, so on a CPU runs side by side finish sooner, with the same bits. A worker's output
+    goes to out/logs/<condition>.log."""
+    arguments = {name: (preset_name, out, name, *conditions[name], model, common)
+                 for name in conditions}  # condition_stages's
+    stages_of = {name: condition_stages(*arguments[name]) for name in conditions}
+    if jobs == 1:
+        return stages.run([stage for name in conditions for stage in stages_of[name]])
+    folders = {os.path.join(out, name): name for name in conditions}
+    teacher = {name: folders.get(extra[extra.index("--teacher") + 1]) if "--teacher" in extra
+               else None for name, (_, extra) in conditions.items()}
+    waiting, running = list(conditions), {}  # future -> name
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+    threads = max(1, torch.get_num_threads() // jobs)
+    with futures.ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn")) as pool:
+        while waiting or running:
+            busy = waiting + list(running.values())
+            for name in [n for n in waiting if teacher[n] not in busy]:
+                if len(running) == jobs:
+                    break
+                waiting.remove(name)
+                if stages.todo(stages_of[name]):
+                    log = os.path.join(out, "logs", f"{name}.log")
+                    running[pool.submit(condition_worker, threads, log, *arguments[name])] = name
+            finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
+            for future in finished:
+                name = running.pop(future)
+                if future.exception():  # the others running finish; nothing more starts
+                    print(f"[failed] {name}: {os.path.join(out, 'logs', name + '.log')}")
+                    raise future.exception()
+                stages.record(future.result())
+
+
+def condition_worker(threads, log, *arguments):
+    """A worker process's condition: its stages with `threads` CPU threads, every line it
+    prints going to log; returns their timings."""
+    torch.set_num_threads(threads)
+    with open(log, "a") as f:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+            os.dup2(f.fileno(), stream.fileno())
+        stages = Stages(None)
+        stages.run(condition_stages(*arguments))
+        sys.stdout.flush()
+        sys.stderr.flush()
+    return stages.timings
 
 
 def main(argv=None):
@@ -218,8 +281,13 @@ def main(argv=None):
     p.add_argument("--pretrain", action="store_true",
                    help="toy presets: pretrain the base here even where the one shipped in "
                         "toy-base/ is the same")
+    p.add_argument("--jobs", type=cli.number(int, 1), default=None,
+                   help="conditions trained at once, each in a process of its own (default: "
+                        "as many as the CPU threads, up to 4; on a GPU, 1)")
     cli.add_model_args(p, model_help="base model (default: the preset's)")
     args = p.parse_args(argv)
+    on_cpu = cli.resolve_device(args.device)[0].type == "cpu"
+    args.jobs = args.jobs or (min(4, torch.get_num_threads()) if on_cpu else 1)
     if cli.WORLD > 1:  # every process would run the whole study and write the same files
         raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's "
                               "scripts one by one (README: More than one GPU)")
@@ -269,8 +337,7 @@ def study(args, preset, out):
                  lambda: evaluate.main(["base", "--out", out, *common, *base_eval]))])
     if args.preset == "toy":
         check_calibration(M.read_json(os.path.join(out, "eval.json")))
-    stages.run([stage for name, (script, extra) in conditions.items() for stage in
-                condition_stages(args.preset, out, name, script, extra, model, common)])
+    run_conditions(stages, args.jobs, conditions, args.preset, out, model, common)
     drift_settings = {**vars(parsed(drift.add_drift_args, preset["drift"])), "model": model}
 
     def unmeasured():  # every run, and each snapshot of one: a point of its own

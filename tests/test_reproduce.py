@@ -15,8 +15,18 @@ RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-lo
 def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     out = tmp_path / "study"
     cmd = [sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--data-dir", data_dir, "--out", str(out)]
-    first = subprocess.run(cmd, capture_output=True, text=True)
+    first = subprocess.run([*cmd, "--jobs", "3"], capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
+    # three conditions at once, each in a process of its own, each after its teacher: the bits of one at a time
+    alone = tmp_path / "alone"
+    one = subprocess.run([*cmd[:-1], str(alone), "--jobs", "1"], capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for run in RUNS[1:]:
+        assert (out / run / "adapter_model.safetensors").read_bytes() == (alone / run / "adapter_model.safetensors").read_bytes()
+        for name in ("eval.json", "drift.json"):
+            ours, theirs = (json.loads((folder / run / name).read_text()) for folder in (out, alone))
+            assert json.dumps(ours).replace(str(out), "") == json.dumps(theirs).replace(str(alone), ""), (run, name)
+    assert (out / "logs" / "opd-stress.log").is_file() and not (alone / "logs").exists()
     table = (out / "results.md").read_text()
     for run in RUNS:
         assert f"| {run} |" in table, run
@@ -56,8 +66,8 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     (out / "mild" / "drift.json").write_text(json.dumps({**by_hand, "fingerprint": {**by_hand["fingerprint"], "stride": 99}}))
     third = subprocess.run(cmd, capture_output=True, text=True)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert [l for l in third.stdout.splitlines() if l.startswith("[running]")] == [
-        "[running] evaluate opd-logits", "[running] evaluate rl", "[running] drift"]
+    assert sorted(l for l in third.stdout.splitlines() if l.startswith("[running]")) == [
+        "[running] drift", "[running] evaluate opd-logits", "[running] evaluate rl"]
     assert json.loads((out / "rl" / "eval.json").read_text())["gsm8k"]["fingerprint"]["gsm8k_limit"] == 4
     assert json.loads((out / "mild" / "drift.json").read_text())["fingerprint"]["stride"] == 8
     digest = hashlib.sha256(weights.read_bytes()).hexdigest()
@@ -128,7 +138,7 @@ def test_a_study_killed_between_a_saves_two_renames_resumes_to_the_same_adapter(
                                                             "0", "--max-new-tokens", "4"])  # what is tested is training
     monkeypatch.setitem(reproduce.PRESETS["smoke"], "drift", ["--prompts", "2", "--max-new-tokens", "8", "--stride", "4",
                                                              "--permutations", "5"])
-    study = ["--preset", "smoke", "--data-dir", data_dir, "--out"]
+    study = ["--preset", "smoke", "--data-dir", data_dir, "--jobs", "1", "--out"]  # one process: patched
     reproduce.main([*study, str(tmp_path / "whole")])
     replace = os.replace
 
