@@ -19,7 +19,8 @@ SFT with every gold answer's final number wrong), since the toy's stress SFT gai
 Every stage is skipped when its outputs exist (an evaluation or drift only when it is of the
 adapter there now, measured with the preset's flags), and an interrupted training run resumes
 from its last checkpoint, so a stopped study continues where it stopped. Per-stage wall time is
-printed and kept in timings.json.
+printed and kept in timings.json. On a CPU, conditions train side by side (--jobs), each in a
+process of its own that writes to out/<preset>/logs/<condition>.log.
 
 The smoke preset runs every stage on a tiny *random-weight* Qwen3 built on the spot (no
 download): it checks that the pipeline works end to end, and its numbers mean nothing.
