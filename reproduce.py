@@ -196,17 +196,16 @@ class Stages:
         self.ran = 0
 
     def run(self, stages):
-        for name, done, run in self.todo(stages):
+        for name, done, run in stages:
+            if self.said_done(name, done()):
+                continue
             t0 = time.time()
             run()
             self.record({name: time.time() - t0})
 
-    def todo(self, stages):
-        """The stages not done yet, each said as done already or running."""
-        left = [stage for stage in stages if not stage[1]()]
-        for name, _, _ in stages:
-            print(f"[{'running' if any(s[0] == name for s in left) else 'done already'}] {name}")
-        return left
+    def said_done(self, name, done):
+        print(f"[{'done already' if done else 'running'}] {name}")
+        return done
 
     def record(self, timings):
         for name, seconds in timings.items():
@@ -231,7 +230,9 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
     folders = {os.path.join(out, name): name for name in conditions}
     teacher = {name: folders.get(extra[extra.index("--teacher") + 1]) if "--teacher" in extra
                else None for name, (_, extra) in conditions.items()}
-    waiting, running = list(conditions), {}  # future -> name
+    # the teachers first, so that their students' runs need not wait at the end
+    waiting = sorted(conditions, key=lambda name: name not in teacher.values())
+    running = {}  # future -> name
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     threads = max(1, torch.get_num_threads() // jobs)
     with futures.ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn")) as pool:
@@ -241,7 +242,8 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
                 if len(running) == jobs:
                     break
                 waiting.remove(name)
-                if stages.todo(stages_of[name]):
+                # said as they stand now; the worker asks each again just before it runs it
+                if not all([stages.said_done(n, done()) for n, done, _ in stages_of[name]]):
                     log = os.path.join(out, "logs", f"{name}.log")
                     running[pool.submit(condition_worker, threads, log, *arguments[name])] = name
             finished, _ = futures.wait(running, return_when=futures.FIRST_COMPLETED)
@@ -320,6 +322,7 @@ def base_model(args, preset, out):
 def study(args, preset, out):
     """The stages of the preset in out, in order, each skipped where its outputs are there:
     the base's evaluation, each condition's training and evaluation, drift; then the table."""
+    t0 = time.time()
     print(vars(args))
     if args.preset == "paper" and cli.resolve_device(args.device)[0].type == "cpu":
         print("note: the paper preset is meant for a GPU, and would take days on a CPU; --preset "
@@ -352,7 +355,8 @@ def study(args, preset, out):
     table = results.write_results(out, preset=args.preset, model=model, timings=stages.timings)
     print(table if args.study == "main" else frontier.write_report(out))
     took = ", ".join(f"{k} {v:.0f}" for k, v in stages.timings.items())
-    print(f"time of each stage (s): {took}; in all {sum(stages.timings.values()) / 60:.1f} min")
+    print(f"time of each stage (s): {took}; together {sum(stages.timings.values()) / 60:.1f} min; "
+          f"this run took {(time.time() - t0) / 60:.1f} min")
     if stages.ran == 0:
         print("every stage was already done; delete a run folder (or its eval.json / drift.json) "
               "to redo it")

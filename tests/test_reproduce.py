@@ -92,6 +92,17 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     assert fifth.returncode == 1 and error.startswith("error: "), fifth.stderr[-3000:]
     assert f"{out / 'opd-stress'} was distilled from an earlier adapter of its teacher than the one there now" in error
 
+    # a condition that fails in its worker process: where its output went, then the one line of the error
+    import shutil
+    (alone / "rl" / "run.json").unlink()  # an adapter left without its run's record, nor a checkpoint
+    for checkpoint in ("checkpoint", "checkpoint.old"):
+        shutil.rmtree(alone / "rl" / checkpoint, ignore_errors=True)
+    sixth = subprocess.run([*cmd[:-1], str(alone), "--jobs", "2"], capture_output=True, text=True)
+    assert sixth.returncode == 1 and f"[failed] rl: {alone / 'logs' / 'rl.log'}" in sixth.stdout, sixth.stderr[-3000:]
+    assert sixth.stderr.strip().splitlines() == [
+        f"error: {alone / 'rl'} already holds a trained adapter (and no checkpoint to continue it from); pass --out "
+        f"for a new folder, or delete {alone / 'rl'} to train it again"]
+
 
 def test_a_second_study_in_a_folder_in_use_stops_before_it_runs_a_stage(data_dir, tmp_path):
     out = tmp_path / "study"
