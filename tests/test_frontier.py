@@ -86,7 +86,12 @@ def test_each_arm_has_its_scripts_flags_and_the_opd_arms_learn_from_the_rl_arm()
     assert runs["sft-lr0.006-seed1"] == ("sft", [*mild, "--lr", "0.006", "--seed", "1"])
     assert runs["rs-sft-lr0.002-seed1"] == ("sft", [*mild, "--answers", "samples", "--samples-per-prompt", "3",
                                                     "--max-new-tokens", "96", "--lr", "0.002", "--seed", "1"])
-    assert runs["rl-lr0.001-seed1"] == ("rl", ["--snapshot-every", "25", "--lr", "0.001", "--seed", "1"])
+    assert runs["rl-lr0.001-seed1"] == ("rl", ["--group-size", "8", "--snapshot-every", "25", "--lr", "0.001", "--seed",
+                                               "1"])
+    # the main study's RL draws groups of 16; the frontier's runs as it ran, with groups of 8 after the preset's flags
+    toy_rl = reproduce.PRESETS["toy"]["train"]["rl"]
+    assert reproduce.PARSERS["rl"](toy_rl).group_size == 16
+    assert reproduce.PARSERS["rl"]([*toy_rl, *runs["rl-lr0.001-seed1"][1]]).group_size == 8
     for name, source in (("opd-student", "student"), ("opd-data", "data"), ("kd", "teacher")):
         assert runs[f"{name}-lr0.01-seed1"] == ("opd", ["--steps", "60", "--snapshot-every", "15", "--state-source",
                                                         source, *teacher, "--lr", "0.01", "--seed", "1"])
