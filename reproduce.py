@@ -29,7 +29,9 @@ import argparse
 import json
 import multiprocessing
 import os
+import signal
 import sys
+import threading
 import time
 from concurrent import futures
 
@@ -235,7 +237,8 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
     running = {}  # future -> name
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     threads = max(1, torch.get_num_threads() // jobs)
-    with futures.ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn")) as pool:
+    with futures.ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn"),
+                                     initializer=orphan_guard, initargs=(os.getpid(),)) as pool:
         while waiting or running:
             busy = waiting + list(running.values())
             for name in [n for n in waiting if teacher[n] not in busy]:
@@ -253,6 +256,18 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
                     print(f"[failed] {name}: {os.path.join(out, 'logs', name + '.log')}")
                     raise future.exception()
                 stages.record(future.result())
+
+
+def orphan_guard(parent):
+    """A worker's watch on the study's process: once that is gone, stop as a stopped run stops
+    (SIGTERM: after its step, with a checkpoint), then leave rather than wait for work."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(2)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(120)  # the step under way ends and is saved
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True).start()
 
 
 def condition_worker(threads, log, *arguments):

@@ -16,7 +16,6 @@ import lora
 import results
 import model as M
 import provenance
-import runs
 from conftest import DEVICES, ROOT
 from sample import generate
 

@@ -170,3 +170,15 @@ def test_a_study_killed_between_a_saves_two_renames_resumes_to_the_same_adapter(
     assert f"resuming {cut / 'mild'} at step 1" in capsys.readouterr().out
     whole, again = (load_file(str(f / "mild" / "adapter_model.safetensors")) for f in (tmp_path / "whole", cut))
     assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+
+
+def test_a_worker_whose_study_is_gone_stops_as_a_stopped_run_stops():
+    """reproduce.orphan_guard: a worker whose study's process is still there works on; one whose study's
+    process is gone gets the SIGTERM that stops a run after its step with a checkpoint."""
+    import signal
+    kept = subprocess.run([sys.executable, "-c", "import os, time, reproduce; reproduce.orphan_guard(os.getppid()); "
+                           "time.sleep(3)"], cwd=ROOT, timeout=60)
+    assert kept.returncode == 0
+    gone = subprocess.run([sys.executable, "-c", "import time, reproduce; reproduce.orphan_guard(-1); time.sleep(30)"],
+                          cwd=ROOT, timeout=60)
+    assert gone.returncode == -signal.SIGTERM

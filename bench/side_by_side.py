@@ -1,0 +1,75 @@
+"""
+What `reproduce.py --jobs` buys on a CPU: two runs of the toy study (stress SFT and RL, each cut
+to a few steps), one at a time on every thread against side by side on an equal share of the
+threads, as reproduce.py runs its conditions. Each round runs both ways, in turn, in fresh
+folders; prints each way's wall time and how many times as fast side by side ran (median over
+rounds, range). The two ways train the same adapters (tests/test_reproduce.py compares them).
+
+    python bench/side_by_side.py                  # the toy world and its shipped base in out/bench-toy
+    python bench/side_by_side.py --repeats 3 --sft-steps 40 --rl-steps 10
+"""
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from common import ROOT, ratio
+import cli  # noqa: E402  (common put the repository on the path)
+import toy  # noqa: E402
+
+
+def runs(out, model, data_dir, sft_steps, rl_steps):
+    """The two commands, each writing a run folder under out."""
+    common = ["--model", model, "--data-dir", data_dir, "--seed", "0"]
+    return [[sys.executable, os.path.join(ROOT, "sft.py"), "--preset", "stress", "--lr", "5e-3",
+             "--train-limit", "1000", "--max-steps", str(sft_steps), "--out", f"{out}/stress", *common],
+            [sys.executable, os.path.join(ROOT, "rl.py"), "--steps", "100", "--prompts-per-step", "4",
+             "--group-size", "16", "--max-new-tokens", "96", "--lr", "3e-4", "--max-steps", str(rl_steps),
+             "--out", f"{out}/rl", *common]]
+
+
+def wall(commands, threads, side_by_side):
+    """Seconds until every command has ended, each run with `threads` threads."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    t0 = time.perf_counter()
+    if side_by_side:
+        procs = [subprocess.Popen(c, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                 for c in commands]
+        codes = [p.wait() for p in procs]
+    else:
+        codes = [subprocess.run(c, env=env, capture_output=True).returncode for c in commands]
+    if any(codes):
+        raise SystemExit(f"a run failed ({codes}); run its command by hand to see why: {commands}")
+    return time.perf_counter() - t0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="out/bench-toy")
+    p.add_argument("--repeats", type=int, default=2, help="rounds, the two ways taking turns")
+    p.add_argument("--sft-steps", type=int, default=30)
+    p.add_argument("--rl-steps", type=int, default=8)
+    args = p.parse_args()
+    toy_args = argparse.ArgumentParser()
+    cli.add_toy_args(toy_args)
+    data_dir, model = toy.pretrain(args.out, toy_args.parse_args([]))  # the shipped base: a second
+    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())
+    print(f"{threads} threads; side by side: 2 runs of {max(1, threads // 2)} each", flush=True)
+    rounds = []
+    for r in range(args.repeats):
+        rounds.append({})
+        for way in ("one at a time", "side by side"):
+            folder = os.path.join(args.out, "runs")
+            shutil.rmtree(folder, ignore_errors=True)
+            commands = runs(folder, model, data_dir, args.sft_steps, args.rl_steps)
+            side = way == "side by side"
+            rounds[-1][way] = wall(commands, max(1, threads // 2) if side else threads, side)
+            print(f"round {r + 1}, {way}: {rounds[-1][way]:.1f} s", flush=True)
+    median, spread = ratio(rounds, "one at a time", "side by side")
+    print(f"side by side ran {median} as fast as one at a time ({spread})")
+
+
+if __name__ == "__main__":
+    main()
