@@ -6,7 +6,7 @@ folders; prints each way's wall time and how many times as fast side by side ran
 rounds, range). The two ways train the same adapters (tests/test_reproduce.py compares them).
 
     python bench/side_by_side.py                  # the toy world and its shipped base in out/bench-toy
-    python bench/side_by_side.py --repeats 3 --sft-steps 40 --rl-steps 10
+    python bench/side_by_side.py --repeats 3 --pair sft,sft --sft-steps 40
 """
 import argparse
 import os
@@ -20,14 +20,16 @@ import cli  # noqa: E402  (common put the repository on the path)
 import toy  # noqa: E402
 
 
-def runs(out, model, data_dir, sft_steps, rl_steps):
-    """The two commands, each writing a run folder under out."""
-    common = ["--model", model, "--data-dir", data_dir, "--seed", "0"]
-    return [[sys.executable, os.path.join(ROOT, "sft.py"), "--preset", "stress", "--lr", "5e-3",
-             "--train-limit", "1000", "--max-steps", str(sft_steps), "--out", f"{out}/stress", *common],
-            [sys.executable, os.path.join(ROOT, "rl.py"), "--steps", "100", "--prompts-per-step", "4",
-             "--group-size", "16", "--max-new-tokens", "96", "--lr", "3e-4", "--max-steps", str(rl_steps),
-             "--out", f"{out}/rl", *common]]
+def runs(out, model, data_dir, pair, sft_steps, rl_steps):
+    """The pair's two commands (sft, rl: the toy preset's stress SFT and RL), each writing a
+    run folder of its own under out."""
+    common = ["--model", model, "--data-dir", data_dir]
+    sft = [sys.executable, os.path.join(ROOT, "sft.py"), "--preset", "stress", "--lr", "5e-3",
+           "--train-limit", "1000", "--max-steps", str(sft_steps)]
+    rl = [sys.executable, os.path.join(ROOT, "rl.py"), "--steps", "100", "--prompts-per-step", "4",
+          "--group-size", "16", "--max-new-tokens", "96", "--lr", "3e-4", "--max-steps", str(rl_steps)]
+    return [[*{"sft": sft, "rl": rl}[name], "--seed", str(i), "--out", f"{out}/{name}-{i}", *common]
+            for i, name in enumerate(pair.split(","))]
 
 
 def wall(commands, threads, side_by_side):
@@ -51,6 +53,8 @@ def main():
     p.add_argument("--repeats", type=int, default=2, help="rounds, the two ways taking turns")
     p.add_argument("--sft-steps", type=int, default=30)
     p.add_argument("--rl-steps", type=int, default=8)
+    p.add_argument("--pair", default="rl,rl", help="the two runs: rl,rl, sft,sft or sft,rl (a pair "
+                   "of unequal runs measures, side by side, the wait for the longer)")
     args = p.parse_args()
     toy_args = argparse.ArgumentParser()
     cli.add_toy_args(toy_args)
@@ -63,7 +67,7 @@ def main():
         for way in ("one at a time", "side by side"):
             folder = os.path.join(args.out, "runs")
             shutil.rmtree(folder, ignore_errors=True)
-            commands = runs(folder, model, data_dir, args.sft_steps, args.rl_steps)
+            commands = runs(folder, model, data_dir, args.pair, args.sft_steps, args.rl_steps)
             side = way == "side by side"
             rounds[-1][way] = wall(commands, max(1, threads // 2) if side else threads, side)
             print(f"round {r + 1}, {way}: {rounds[-1][way]:.1f} s", flush=True)
