@@ -1,6 +1,6 @@
 """
-What `reproduce.py --jobs` buys on a CPU: two runs of the toy study (stress SFT and RL, each cut
-to a few steps), one at a time on every thread against side by side on an equal share of the
+What `reproduce.py --jobs` buys on a CPU: two runs of the toy study (--pair: RL or stress SFT,
+each cut to a few steps), one at a time on every thread against side by side on an equal share of the
 threads, as reproduce.py runs its conditions. Each round runs both ways, in turn, in fresh
 folders; prints each way's wall time and how many times as fast side by side ran (median over
 rounds, range). The two ways train the same adapters (tests/test_reproduce.py compares them).
