@@ -232,18 +232,18 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
     folders = {os.path.join(out, name): name for name in conditions}
     teacher = {name: folders.get(extra[extra.index("--teacher") + 1]) if "--teacher" in extra
                else None for name, (_, extra) in conditions.items()}
-    # the teachers first, so that their students' runs need not wait at the end
-    waiting = sorted(conditions, key=lambda name: name not in teacher.values())
+    waiting = sorted(conditions, key=lambda name: name not in teacher.values())  # teachers first
     running = {}  # future -> name
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
     threads = max(1, torch.get_num_threads() // jobs)
     with futures.ProcessPoolExecutor(jobs, multiprocessing.get_context("spawn"),
                                      initializer=orphan_guard, initargs=(os.getpid(),)) as pool:
         while waiting or running:
-            busy = waiting + list(running.values())
-            for name in [n for n in waiting if teacher[n] not in busy]:
+            for name in list(waiting):  # a teacher done already frees its students at once
                 if len(running) == jobs:
                     break
+                if teacher[name] in waiting or teacher[name] in running.values():
+                    continue
                 waiting.remove(name)
                 # said as they stand now; the worker asks each again just before it runs it
                 if not all([stages.said_done(n, done()) for n, done, _ in stages_of[name]]):
