@@ -15,8 +15,11 @@ import subprocess
 import sys
 import time
 
+import torch
+
 from common import ROOT, ratio
 import cli  # noqa: E402  (common put the repository on the path)
+import reproduce  # noqa: E402
 import toy  # noqa: E402
 
 
@@ -56,10 +59,8 @@ def main():
     p.add_argument("--pair", default="rl,rl", help="the two runs: rl,rl, sft,sft or sft,rl (a pair "
                    "of unequal runs measures, side by side, the wait for the longer)")
     args = p.parse_args()
-    toy_args = argparse.ArgumentParser()
-    cli.add_toy_args(toy_args)
-    data_dir, model = toy.pretrain(args.out, toy_args.parse_args([]))  # the shipped base: a second
-    threads = int(os.environ.get("OMP_NUM_THREADS") or os.cpu_count())
+    data_dir, model = toy.pretrain(args.out, reproduce.parsed(cli.add_toy_args, []))  # the shipped base
+    threads = torch.get_num_threads()  # as reproduce.py shares them out
     print(f"{threads} threads; side by side: 2 runs of {max(1, threads // 2)} each", flush=True)
     rounds = []
     for r in range(args.repeats):
