@@ -86,3 +86,16 @@ def test_ratio_pairs_each_round_and_race_takes_turns():
     order = []
     _, results = race([lambda: order.append("a") or 1, lambda: order.append("b") or 2], torch.device("cpu"), 2)
     assert order == ["a", "b", "a", "b", "b", "a"] and results == [1, 2]  # warm-up, then turns in both orders
+
+
+def test_side_by_side_bench_runs_the_pair_both_ways(tmp_path):
+    out = tmp_path / "bench"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "side_by_side.py"), "--out", str(out),
+                           "--repeats", "1", "--pair", "rl,rl", "--rl-steps", "1"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("round 1, one at a time: ") for line in lines)
+    assert lines[-1].startswith("side by side ran ") and "as fast as one at a time" in lines[-1]
+    for run in ("rl-0", "rl-1"):  # the last way's two runs, each of the steps asked for, each its own seed
+        record = json.loads((out / "runs" / run / "run.json").read_text())
+        assert record["finished_steps"] == 1 and record["seed"] == int(run[-1])
