@@ -1,11 +1,12 @@
 """
-What `reproduce.py --jobs` buys on a CPU: two runs of the toy study (--pair: RL or stress SFT,
-each cut to a few steps), one at a time on every thread against side by side on an equal share of the
-threads, as reproduce.py runs its conditions. Each round runs both ways, in turn, in fresh
-folders; prints each way's wall time and how many times as fast side by side ran (median over
-rounds, range). The two ways train the same adapters (tests/test_reproduce.py compares them).
+What `reproduce.py --jobs` buys on a CPU: two runs of the toy study (--pair: RL or stress
+SFT, each cut to a few steps), one at a time on every thread against side by side on an
+equal share of the threads, as reproduce.py runs its conditions. Each round runs both ways,
+in turn, in fresh folders; prints each way's wall time and how many times as fast side by
+side ran (median over rounds, range). The two ways train the same adapters
+(tests/test_reproduce.py compares them).
 
-    python bench/side_by_side.py                  # the toy world and its shipped base in out/bench-toy
+    python bench/side_by_side.py      # the toy world and its shipped base in out/bench-toy
     python bench/side_by_side.py --repeats 3 --pair sft,sft --sft-steps 40
 """
 import argparse
@@ -24,14 +25,14 @@ import toy  # noqa: E402
 
 
 def runs(out, model, data_dir, pair, sft_steps, rl_steps):
-    """The pair's two commands (sft, rl: the toy preset's stress SFT and RL), each writing a
+    """The pair's two commands (sft: the toy preset's stress SFT; rl: its RL), each writing a
     run folder of its own under out."""
-    common = ["--model", model, "--data-dir", data_dir]
-    sft = [sys.executable, os.path.join(ROOT, "sft.py"), "--preset", "stress", "--lr", "5e-3",
-           "--train-limit", "1000", "--max-steps", str(sft_steps)]
-    rl = [sys.executable, os.path.join(ROOT, "rl.py"), "--steps", "100", "--prompts-per-step", "4",
-          "--group-size", "16", "--max-new-tokens", "96", "--lr", "3e-4", "--max-steps", str(rl_steps)]
-    return [[*{"sft": sft, "rl": rl}[name], "--seed", str(i), "--out", f"{out}/{name}-{i}", *common]
+    train = reproduce.PRESETS["toy"]["train"]
+    flags = {"sft": [*train["sft"], "--preset", "stress", *train["stress"], "--max-steps",
+                     str(sft_steps)],
+             "rl": [*train["rl"], "--max-steps", str(rl_steps)]}
+    return [[sys.executable, os.path.join(ROOT, f"{name}.py"), *flags[name], "--seed", str(i),
+             "--out", f"{out}/{name}-{i}", "--model", model, "--data-dir", data_dir]
             for i, name in enumerate(pair.split(","))]
 
 
@@ -51,7 +52,8 @@ def wall(commands, threads, side_by_side):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/bench-toy")
     p.add_argument("--repeats", type=int, default=2, help="rounds, the two ways taking turns")
     p.add_argument("--sft-steps", type=int, default=30)
@@ -59,7 +61,8 @@ def main():
     p.add_argument("--pair", default="rl,rl", help="the two runs: rl,rl, sft,sft or sft,rl (a pair "
                    "of unequal runs measures, side by side, the wait for the longer)")
     args = p.parse_args()
-    data_dir, model = toy.pretrain(args.out, reproduce.parsed(cli.add_toy_args, []))  # the shipped base
+    # the world and the shipped base: a second
+    data_dir, model = toy.pretrain(args.out, reproduce.parsed(cli.add_toy_args, []))
     threads = torch.get_num_threads()  # as reproduce.py shares them out
     print(f"{threads} threads; side by side: 2 runs of {max(1, threads // 2)} each", flush=True)
     rounds = []
