@@ -145,7 +145,7 @@ PRESETS = {
                "degraded": ["--lr", "5e-3"],
                "rl": ["--steps", "100", "--prompts-per-step", "4", "--group-size", "16",
                       "--max-new-tokens", "96", "--lr", "3e-4", "--warmup", "0.05"],
-               "opd": ["--steps", "240", "--max-new-tokens", "96",
+               "opd": ["--steps", "360", "--max-new-tokens", "96",
                        "--continuation-tokens", "32", "--lr", "3e-3"]},
         eval=TOY_EVAL + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0",
                          "--batch-size", "32"],
