@@ -147,8 +147,8 @@ PRESETS = {
                       "--max-new-tokens", "96", "--lr", "3e-4", "--warmup", "0.05"],
                "opd": ["--steps", "360", "--max-new-tokens", "96",
                        "--continuation-tokens", "32", "--lr", "3e-3"]},
-        eval=TOY_EVAL + ["--gsm8k-limit", "300", "--mmlu-limit", "0", "--truthfulqa-limit", "0",
-                         "--batch-size", "32"],
+        # the whole 500-problem test split (evaluate.py's default; docs/toy-study.md's sixth rule)
+        eval=TOY_EVAL + ["--mmlu-limit", "0", "--truthfulqa-limit", "0", "--batch-size", "32"],
         eval_base=["--samples", "16"],  # pass@16 of the base, for its calibration band
         drift=["--prompts", "200", "--max-new-tokens", "96"]),
     # the same stages on a miniature world and model, for CI: minutes, not meaningful
