@@ -26,6 +26,7 @@ import figures
 import lora
 import model as M
 import provenance
+import readings
 import runs
 
 # Table 2 of the paper (Nie 2026, arXiv 2605.22731), keyed by our run folder names
@@ -279,16 +280,27 @@ def results_markdown(found):
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
     over = "post-trained conditions" if with_paper else "rows"
     lines += gap_lines(found) + correlation_lines(single_rows, over, with_paper, seeds)
+    both, questions = gold_and_own(found), found.get("base", {}).get("eval", {}).get("gsm8k", {})
+    if questions.get("n"):  # the rules' readings, where the paper's conditions have seeds
+        lines += readings.readings_lines(
+            single_rows, {"mmd2": drift_forgetting_correlations(single_rows)},
+            None if both is None else both[0] - both[1], questions["n"])
     return "\n".join(lines) + "\n"
 
 
-def gap_lines(found):
-    """How far off-policy SFT's data is for the base (drift.offpolicy_gap), from a drift.json."""
+def gold_and_own(found):
+    """The base's per-token NLL of SFT's gold answers and of its own samples
+    (drift.offpolicy_gap), from a drift.json; None without one."""
     d = next((run["drift"] for run in found.values()
               if "state_nll_gold" in run.get("drift", {})), None)
-    if d is None:
+    return None if d is None else (d["state_nll_gold"], d["state_nll_reference"])
+
+
+def gap_lines(found):
+    """How far off-policy SFT's data is for the base."""
+    if gold_and_own(found) is None:
         return []
-    gold, own = d["state_nll_gold"], d["state_nll_reference"]
+    gold, own = gold_and_own(found)
     return ["", f"Where the states lie for the base: its per-token NLL of SFT's gold answers "
                 f"{gold:.3f}, of its own temperature-1 samples on the same prompts {own:.3f}; "
                 f"the gold data lies {gold - own:.3f} nats per token off the base's own states."]

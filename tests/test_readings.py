@@ -1,0 +1,143 @@
+"""The study's readings (readings.py): each rule of docs/toy-study.md gives its verdict, and
+the other verdicts where its numbers or its precondition change."""
+import math
+
+import readings
+import results as R
+
+# three seeds a condition: (gsm8k, forgetting, retention, update norm, state distance)
+STUDY = {
+    "mild": [(0.57, 0.01, 0.98, 16.6, 0.82), (0.57, 0.03, 0.96, 16.5, 0.82),
+             (0.58, 0.00, 1.00, 16.6, 0.82)],
+    "stress": [(0.80, 0.43, 0.45, 62.0, 0.82), (0.84, 0.46, 0.42, 64.0, 0.82),
+               (0.78, 0.42, 0.48, 62.0, 0.82)],
+    "rl": [(0.68, 0.00, 1.00, 1.5, -0.04), (0.69, 0.01, 0.99, 1.5, -0.04),
+           (0.66, 0.00, 1.00, 1.5, -0.04)],
+    "opd-mild": [(0.45, 0.05, 0.93, 24.5, 0.89), (0.41, 0.08, 0.90, 24.4, 0.91),
+                 (0.48, 0.02, 0.97, 24.5, 0.88)],
+    "opd-stress": [(0.67, 0.15, 0.78, 27.0, 0.99), (0.67, 0.20, 0.72, 27.1, 0.97),
+                   (0.67, 0.12, 0.84, 26.9, 1.01)],
+    "kd-stress": [(0.45, 0.10, 0.86, 25.4, 0.86), (0.47, 0.08, 0.88, 25.9, 0.88),
+                  (0.41, 0.11, 0.84, 25.0, 0.85)],
+    "degraded": [(0.03, 0.47, 0.41, 63.0, 1.05), (0.01, 0.50, 0.38, 64.0, 1.05),
+                 (0.05, 0.44, 0.44, 62.6, 1.05)],
+    "opd-degraded": [(0.03, 0.16, 0.78, 27.8, 1.23), (0.02, 0.22, 0.71, 28.0, 1.21),
+                     (0.05, 0.11, 0.86, 27.4, 1.24)],
+    "kd-degraded": [(0.04, 0.12, 0.82, 26.0, 1.09), (0.03, 0.16, 0.76, 26.1, 1.07),
+                    (0.05, 0.08, 0.89, 25.9, 1.10)],
+}
+KEYS = ("gsm8k", "forgetting", "retention", "update_norm", "state_distance")
+
+
+def rows(study=STUDY, base=0.38):
+    out = [dict(run="base", gsm8k=base, forgetting=None, retention=None, update_norm=None,
+                state_distance=None)]
+    for name, seeds in study.items():
+        out += [dict(run=name + (f"-seed{s}" if s else ""), **dict(zip(KEYS, v)))
+                for s, v in enumerate(seeds)]
+    return out
+
+
+def changed(name, key, values):
+    """STUDY with one metric of one condition replaced, seed by seed."""
+    i = KEYS.index(key)
+    return {**STUDY, name: [(*v[:i], x, *v[i + 1:]) for v, x in zip(STUDY[name], values)]}
+
+
+def test_each_prediction_reads_as_its_rule_says_on_a_study_like_the_toys():
+    c = readings.conditions(rows()[1:])
+    assert readings.p1(c, gap=0.75).startswith("shows")
+    assert readings.p2(c).startswith("not tested here (C4")  # kd-stress's states the nearer
+    assert readings.p3(c, 0.38, 500, "stress", "opd-stress", "kd-stress").startswith(
+        "not tested here (C3")  # stress SFT gains on the target
+    assert "not by its states" in readings.p3(c, 0.38, 500, "degraded", "opd-degraded",
+                                              "kd-degraded")
+
+
+def test_p1_is_refuted_mixed_or_not_tested_where_its_numbers_or_c1_say_so():
+    same = changed("stress", "forgetting", [0.01, 0.03, 0.00])  # as mild SFT forgets
+    assert readings.p1(readings.conditions(rows(same)[1:]), 0.75).startswith("refuted")
+    on_policy = changed("opd-stress", "forgetting", [0.43, 0.46, 0.42])
+    assert readings.p1(readings.conditions(rows(on_policy)[1:]), 0.75).startswith("mixed")
+    c = readings.conditions(rows()[1:])
+    assert readings.p1(c, 0.2).startswith("not tested here (C1")  # gold answers near the base's
+    near = changed("mild", "state_distance", [0.1, 0.1, 0.1])
+    assert readings.p1(readings.conditions(rows(near)[1:]), 0.75).startswith("not tested")
+
+
+def test_p2_given_c4_is_supported_only_when_the_teachers_states_forget_more():
+    far = changed("kd-stress", "state_distance", [1.2, 1.2, 1.2])
+    assert readings.p2(readings.conditions(rows(far)[1:])).startswith("refuted")
+    more = {**far, "kd-stress": [(*v[:1], 0.30 + i / 100, *v[2:]) for i, v in
+                                 enumerate(far["kd-stress"])]}
+    assert readings.p2(readings.conditions(rows(more)[1:])).startswith("supported")
+    unmatched = changed("kd-stress", "update_norm", [40.0, 40.0, 40.0])
+    unmatched["kd-stress"] = [(*v[:4], 1.2) for v in unmatched["kd-stress"]]
+    assert readings.p2(readings.conditions(rows(unmatched)[1:])).startswith("not tested")
+
+
+def test_p3_tells_a_win_owed_to_the_states_from_one_that_is_not_and_from_none():
+    ahead = changed("kd-degraded", "retention", [0.40, 0.41, 0.42])  # the control keeps none
+    c = readings.conditions(rows(ahead)[1:])
+    assert "owed to the student's states" in readings.p3(c, 0.38, 500, "degraded",
+                                                         "opd-degraded", "kd-degraded")
+    lost = changed("opd-degraded", "retention", [0.41, 0.38, 0.44])
+    c = readings.conditions(rows(lost)[1:])
+    assert readings.p3(c, 0.38, 500, "degraded", "opd-degraded", "kd-degraded") == (
+        "opd-degraded does not beat its teacher")
+    # C3 with the base's question noise: a teacher 0.06 below a base scored on few questions
+    # is within it, on many beyond it
+    near = changed("degraded", "gsm8k", [0.32, 0.32, 0.32])
+    c = readings.conditions(rows(near)[1:])
+    assert readings.p3(c, 0.38, 100, "degraded", "opd-degraded", "kd-degraded").startswith(
+        "not tested")
+    assert not readings.p3(c, 0.38, 1000, "degraded", "opd-degraded", "kd-degraded").startswith(
+        "not tested")
+
+
+def test_p4_by_the_r2_and_p_value_of_mmd2_over_the_runs():
+    fit = lambda r, p: {"mmd2": {"runs": {"pearson": r, "spearman_p": p}}}
+    assert readings.p4(fit(0.3, 0.001)).startswith("supported")
+    assert readings.p4(fit(0.95, 0.2)).startswith("supported")
+    assert readings.p4(fit(0.95, 0.001)).startswith("refuted")
+    assert readings.p4(fit(0.8, 0.001)).startswith("undecided")
+    assert readings.p4({}) is None
+
+
+def test_gains_stand_out_against_the_base_question_noise_and_the_seeds_spread():
+    lines = readings.readings_lines(rows(), None, 0.75, 300)
+    target = lines[-1]
+    m = sum(v[0] for v in STUDY["opd-mild"]) / 3
+    s = math.sqrt(sum((v[0] - m) ** 2 for v in STUDY["opd-mild"]) / 2)
+    noise = 2 * math.sqrt(0.38 * 0.62 / 300 + s ** 2 / 3)
+    assert f"opd-mild {m - 0.38:+.3f} against {noise:.3f}" in target  # inside the noise
+    assert f"rl +{0.67667 - 0.38:.3f} (stands out)" in target
+    assert "(300 questions)" in target and not any("P4" in x for x in lines)  # no fit given
+
+
+def test_readings_need_seeds_and_the_papers_conditions():
+    one_seed = [r for r in rows() if "seed" not in r["run"]]
+    assert readings.readings_lines(one_seed, None, 0.75, 500) == []
+    frontier = [dict(r, run=r["run"].replace("rl", "rl-lr0.001")) for r in rows()
+                if r["run"] == "base" or r["run"].startswith("rl")]
+    assert readings.readings_lines(frontier, None, 0.75, 500) == []
+
+
+def test_results_md_ends_with_the_readings_when_the_base_was_scored():
+    def run(values):
+        g, f, ret, norm, distance = values
+        return {"eval": {"gsm8k": {"flexible": g, "n": 500},
+                         "retention": {"forgetting": f, "retention": ret}},
+                "drift": {"state_nll_gold": 0.94, "state_nll_reference": 0.19},
+                "update_norm": norm, "state_nll_base": 0.19 + distance}
+    found = {"base": {"eval": {"gsm8k": {"flexible": 0.38, "n": 500}}}}
+    for name in ("mild", "stress"):
+        for s, v in enumerate(STUDY[name]):
+            found[name + (f"-seed{s}" if s else "")] = run(v)
+    text = R.results_markdown(found)
+    assert "- P1, strong off-policy SFT pressure causes forgetting: shows" in text
+    assert "P2" not in text  # its conditions were not run
+    assert "The target over the base's 0.380 (500 questions)" in text
+    assert "stress +0.427 (stands out)" in text
+    del found["base"]["eval"]["gsm8k"]["n"]  # an eval.json from before the count was kept
+    assert "P1" not in R.results_markdown(found)
