@@ -4,7 +4,8 @@ table in the layout of the paper's Table 2, with the paper's numbers beside ours
 merged into a mean and a spread, and what predicts forgetting: for each candidate (the
 update norm, MMD^2 of the states (the paper's P4), the distance of the training states
 from the base's own, the KL to the base on the target (RL's Razor's)) Spearman's rank
-correlation and R^2 with forgetting, with permutation p-values. Writes results.md,
+correlation and R^2 with forgetting, with permutation p-values; then the readings, the
+paper's predictions by the rules written before the runs (readings.py). Writes results.md,
 results.json and (with matplotlib) results.png into the study folder.
 
     python results.py out          # the table of out/'s runs
