@@ -280,12 +280,13 @@ def results_markdown(found):
                  for k, _, d, reads in cols]
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
     over = "post-trained conditions" if with_paper else "rows"
-    lines += gap_lines(found) + correlation_lines(single_rows, over, with_paper, seeds)
+    mmd2 = drift_forgetting_correlations(single_rows)
+    lines += gap_lines(found) + correlation_lines(single_rows, mmd2, over, with_paper, seeds)
     both, questions = gold_and_own(found), found.get("base", {}).get("eval", {}).get("gsm8k", {})
     if questions.get("n"):  # the rules' readings, where the paper's conditions have seeds
-        lines += readings.readings_lines(
-            single_rows, {"mmd2": drift_forgetting_correlations(single_rows)},
-            None if both is None else both[0] - both[1], questions["n"])
+        lines += readings.readings_lines(single_rows, {"mmd2": mmd2},
+                                         None if both is None else both[0] - both[1],
+                                         questions["n"])
     return "\n".join(lines) + "\n"
 
 
@@ -299,9 +300,10 @@ def gold_and_own(found):
 
 def gap_lines(found):
     """How far off-policy SFT's data is for the base."""
-    if gold_and_own(found) is None:
+    both = gold_and_own(found)
+    if both is None:
         return []
-    gold, own = gold_and_own(found)
+    gold, own = both
     return ["", f"Where the states lie for the base: its per-token NLL of SFT's gold answers "
                 f"{gold:.3f}, of its own temperature-1 samples on the same prompts {own:.3f}; "
                 f"the gold data lies {gold - own:.3f} nats per token off the base's own states."]
@@ -315,12 +317,12 @@ def cells(c):
             f"{c['pearson'] ** 2:.2f} | {p_value(c['pearson_p'])}")
 
 
-def correlation_lines(single_rows, over, with_paper, seeds):
+def correlation_lines(single_rows, correlations, over, with_paper, seeds):
     """What results.md says under its table: MMD^2 against forgetting (P4) beside the paper's
     Table 2, then every candidate predictor (PREDICTORS), which the paper does not compare;
-    over the conditions, and over the single runs where there are seeds."""
+    over the conditions, and over the single runs where there are seeds; correlations: MMD^2's
+    (drift_forgetting_correlations)."""
     lines = []
-    correlations = drift_forgetting_correlations(single_rows)
     ours, single = correlations["conditions"], correlations["runs"]
     if ours:  # P4: does drift explain forgetting?
         lines += ["", f"MMD^2 against forgetting (P4) over the {ours['n']} {over}: Spearman's "
