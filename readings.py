@@ -127,11 +127,15 @@ def p4(predictors):
 
 def readings_lines(rows, predictors, gap, n_questions):
     """results.md's readings: each prediction by its rule, then each condition's gain on the
-    target against its noise. Empty without seeds: the rules read a spread over seeds."""
+    target against its noise. The rules read a spread over seeds: with one, a line says so."""
     c = conditions([r for r in rows if r["run"] != "base"])
     base = next((r["gsm8k"] for r in rows if r["run"] == "base"), None)
-    if not c or min(v["gsm8k"][2] for v in c.values() if "gsm8k" in v) < 2 or base is None:
+    if not c or base is None or not any(name in c for name, _, _ in SIGNAL_PAIRS):
         return []
+    if min(v["gsm8k"][2] for v in c.values() if "gsm8k" in v) < 2:
+        return ["", "The readings by the rules written before the runs (readings.py) compare "
+                    "conditions against their spread over seeds: run `python reproduce.py "
+                    "--seeds 3` for them."]
     verdicts = [("P1, strong off-policy SFT pressure causes forgetting", p1(c, gap)),
                 ("P2, on-policy methods stay local", p2(c))]
     verdicts += [(f"P3 with {t}, an OPD student can beat a degraded teacher",

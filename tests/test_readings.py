@@ -117,7 +117,7 @@ def test_gains_stand_out_against_the_base_question_noise_and_the_seeds_spread():
 
 def test_readings_need_seeds_and_the_papers_conditions():
     one_seed = [r for r in rows() if "seed" not in r["run"]]
-    assert readings.readings_lines(one_seed, None, 0.75, 500) == []
+    assert "--seeds 3" in readings.readings_lines(one_seed, None, 0.75, 500)[-1]
     frontier = [dict(r, run=r["run"].replace("rl", "rl-lr0.001")) for r in rows()
                 if r["run"] == "base" or r["run"].startswith("rl")]
     assert readings.readings_lines(frontier, None, 0.75, 500) == []
