@@ -9,30 +9,19 @@ prediction's precondition (C1 to C4) is measured first; where it fails the predi
 tested here", whatever its numbers say.
 """
 import math
-import statistics
-
-import runs
 
 MATCHED_NORMS = 1.25  # "matched update norms": the larger at most 25% above the smaller
 OFF_POLICY_GAP = 0.3  # C1: nats per token between the gold answers and the base's own samples
 FAR_STATES = 0.3  # C1: the state distance of SFT's training states
 SIGNAL_PAIRS = (("stress", "opd-stress", "kd-stress"), ("degraded", "opd-degraded", "kd-degraded"))
+METRICS = ("gsm8k", "forgetting", "retention", "update_norm", "state_distance")
 
 
-def conditions(rows):
-    """condition -> metric -> (mean, standard deviation, seeds) over its seeds' single runs."""
-    grouped = {}
-    for r in rows:
-        grouped.setdefault(runs.condition(r["run"]), []).append(r)
-    out = {}
-    for name, members in grouped.items():
-        out[name] = {}
-        for k in ("gsm8k", "forgetting", "retention", "update_norm", "state_distance"):
-            v = [r[k] for r in members if r.get(k) is not None]
-            if v:
-                out[name][k] = (statistics.mean(v), statistics.stdev(v) if len(v) > 1 else 0.0,
-                                len(v))
-    return out
+def conditions(grouped):
+    """condition -> metric -> (mean, standard deviation, seeds), from the rows of
+    results.group_seeds (the base left out)."""
+    return {r["run"]: {k: (r[k], r.get(k + "_std") or 0.0, r["seeds"]) for k in METRICS
+                       if r.get(k) is not None} for r in grouped if r["run"] != "base"}
 
 
 def difference(c, a, b, metric):
@@ -125,11 +114,12 @@ def p4(predictors):
     return f"undecided (MMD^2's R^2 with forgetting {r2:.2f}, Spearman's p {p:.3f})"
 
 
-def readings_lines(rows, predictors, gap, n_questions):
-    """results.md's readings: each prediction by its rule, then each condition's gain on the
-    target against its noise. The rules read a spread over seeds: with one, a line says so."""
-    c = conditions([r for r in rows if r["run"] != "base"])
-    base = next((r["gsm8k"] for r in rows if r["run"] == "base"), None)
+def readings_lines(grouped, predictors, gap, n_questions):
+    """results.md's readings from results.group_seeds' rows: each prediction by its rule, then
+    each condition's gain on the target against its noise. The rules read a spread over seeds:
+    with one, a line says so."""
+    c = conditions(grouped)
+    base = next((r["gsm8k"] for r in grouped if r["run"] == "base"), None)
     if not c or base is None or not any(name in c for name, _, _ in SIGNAL_PAIRS):
         return []
     if min(v["gsm8k"][2] for v in c.values() if "gsm8k" in v) < 2:

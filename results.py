@@ -284,7 +284,7 @@ def results_markdown(found):
     lines += gap_lines(found) + correlation_lines(single_rows, mmd2, over, with_paper, seeds)
     both, questions = gold_and_own(found), found.get("base", {}).get("eval", {}).get("gsm8k", {})
     if questions.get("n"):  # the rules' readings, where the paper's conditions have seeds
-        lines += readings.readings_lines(single_rows, {"mmd2": mmd2},
+        lines += readings.readings_lines(rows, {"mmd2": mmd2},
                                          None if both is None else both[0] - both[1],
                                          questions["n"])
     return "\n".join(lines) + "\n"

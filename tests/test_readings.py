@@ -30,12 +30,18 @@ KEYS = ("gsm8k", "forgetting", "retention", "update_norm", "state_distance")
 
 
 def rows(study=STUDY, base=0.38):
-    out = [dict(run="base", gsm8k=base, forgetting=None, retention=None, update_norm=None,
-                state_distance=None)]
+    """The single runs' rows, as results.table_rows gives them."""
+    empty = dict.fromkeys(R.METRICS)
+    out = [dict(empty, run="base", gsm8k=base)]
     for name, seeds in study.items():
-        out += [dict(run=name + (f"-seed{s}" if s else ""), **dict(zip(KEYS, v)))
+        out += [dict(empty, run=name + (f"-seed{s}" if s else ""), **dict(zip(KEYS, v)))
                 for s, v in enumerate(seeds)]
     return out
+
+
+def grouped(study=STUDY, one_seed=False):
+    """The conditions' rows, seeds merged, as results.md reads them."""
+    return R.group_seeds([r for r in rows(study) if not (one_seed and "seed" in r["run"])])
 
 
 def changed(name, key, values):
@@ -45,7 +51,7 @@ def changed(name, key, values):
 
 
 def test_each_prediction_reads_as_its_rule_says_on_a_study_like_the_toys():
-    c = readings.conditions(rows()[1:])
+    c = readings.conditions(grouped())
     assert readings.p1(c, gap=0.75).startswith("shows")
     assert readings.p2(c).startswith("not tested here (C4")  # kd-stress's states the nearer
     assert readings.p3(c, 0.38, 500, "stress", "opd-stress", "kd-stress").startswith(
@@ -56,39 +62,39 @@ def test_each_prediction_reads_as_its_rule_says_on_a_study_like_the_toys():
 
 def test_p1_is_refuted_mixed_or_not_tested_where_its_numbers_or_c1_say_so():
     same = changed("stress", "forgetting", [0.01, 0.03, 0.00])  # as mild SFT forgets
-    assert readings.p1(readings.conditions(rows(same)[1:]), 0.75).startswith("refuted")
+    assert readings.p1(readings.conditions(grouped(same)), 0.75).startswith("refuted")
     on_policy = changed("opd-stress", "forgetting", [0.43, 0.46, 0.42])
-    assert readings.p1(readings.conditions(rows(on_policy)[1:]), 0.75).startswith("mixed")
-    c = readings.conditions(rows()[1:])
+    assert readings.p1(readings.conditions(grouped(on_policy)), 0.75).startswith("mixed")
+    c = readings.conditions(grouped())
     assert readings.p1(c, 0.2).startswith("not tested here (C1")  # gold answers near the base's
     near = changed("mild", "state_distance", [0.1, 0.1, 0.1])
-    assert readings.p1(readings.conditions(rows(near)[1:]), 0.75).startswith("not tested")
+    assert readings.p1(readings.conditions(grouped(near)), 0.75).startswith("not tested")
 
 
 def test_p2_given_c4_is_supported_only_when_the_teachers_states_forget_more():
     far = changed("kd-stress", "state_distance", [1.2, 1.2, 1.2])
-    assert readings.p2(readings.conditions(rows(far)[1:])).startswith("refuted")
+    assert readings.p2(readings.conditions(grouped(far))).startswith("refuted")
     more = {**far, "kd-stress": [(*v[:1], 0.30 + i / 100, *v[2:]) for i, v in
                                  enumerate(far["kd-stress"])]}
-    assert readings.p2(readings.conditions(rows(more)[1:])).startswith("supported")
+    assert readings.p2(readings.conditions(grouped(more))).startswith("supported")
     unmatched = changed("kd-stress", "update_norm", [40.0, 40.0, 40.0])
     unmatched["kd-stress"] = [(*v[:4], 1.2) for v in unmatched["kd-stress"]]
-    assert readings.p2(readings.conditions(rows(unmatched)[1:])).startswith("not tested")
+    assert readings.p2(readings.conditions(grouped(unmatched))).startswith("not tested")
 
 
 def test_p3_tells_a_win_owed_to_the_states_from_one_that_is_not_and_from_none():
     ahead = changed("kd-degraded", "retention", [0.40, 0.41, 0.42])  # the control keeps none
-    c = readings.conditions(rows(ahead)[1:])
+    c = readings.conditions(grouped(ahead))
     assert "owed to the student's states" in readings.p3(c, 0.38, 500, "degraded",
                                                          "opd-degraded", "kd-degraded")
     lost = changed("opd-degraded", "retention", [0.41, 0.38, 0.44])
-    c = readings.conditions(rows(lost)[1:])
+    c = readings.conditions(grouped(lost))
     assert readings.p3(c, 0.38, 500, "degraded", "opd-degraded", "kd-degraded") == (
         "opd-degraded does not beat its teacher")
     # C3 with the base's question noise: a teacher 0.06 below a base scored on few questions
     # is within it, on many beyond it
     near = changed("degraded", "gsm8k", [0.32, 0.32, 0.32])
-    c = readings.conditions(rows(near)[1:])
+    c = readings.conditions(grouped(near))
     assert readings.p3(c, 0.38, 100, "degraded", "opd-degraded", "kd-degraded").startswith(
         "not tested")
     assert not readings.p3(c, 0.38, 1000, "degraded", "opd-degraded", "kd-degraded").startswith(
@@ -105,7 +111,7 @@ def test_p4_by_the_r2_and_p_value_of_mmd2_over_the_runs():
 
 
 def test_gains_stand_out_against_the_base_question_noise_and_the_seeds_spread():
-    lines = readings.readings_lines(rows(), None, 0.75, 300)
+    lines = readings.readings_lines(grouped(), None, 0.75, 300)
     target = lines[-1]
     m = sum(v[0] for v in STUDY["opd-mild"]) / 3
     s = math.sqrt(sum((v[0] - m) ** 2 for v in STUDY["opd-mild"]) / 2)
@@ -116,11 +122,10 @@ def test_gains_stand_out_against_the_base_question_noise_and_the_seeds_spread():
 
 
 def test_readings_need_seeds_and_the_papers_conditions():
-    one_seed = [r for r in rows() if "seed" not in r["run"]]
-    assert "--seeds 3" in readings.readings_lines(one_seed, None, 0.75, 500)[-1]
+    assert "--seeds 3" in readings.readings_lines(grouped(one_seed=True), None, 0.75, 500)[-1]
     frontier = [dict(r, run=r["run"].replace("rl", "rl-lr0.001")) for r in rows()
                 if r["run"] == "base" or r["run"].startswith("rl")]
-    assert readings.readings_lines(frontier, None, 0.75, 500) == []
+    assert readings.readings_lines(R.group_seeds(frontier), None, 0.75, 500) == []
 
 
 def test_results_md_ends_with_the_readings_when_the_base_was_scored():
