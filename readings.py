@@ -132,7 +132,7 @@ def readings_lines(grouped, predictors, gap, n_questions):
                   p3(c, base, n_questions, t, s, k)) for t, s, k in SIGNAL_PAIRS]
     verdicts.append(("P4, a scalar drift number does not explain forgetting", p4(predictors)))
     verdicts = [(name, v) for name, v in verdicts if v is not None]
-    if not verdicts:  # none of the paper's conditions: a study of its own (the frontier's)
+    if not verdicts:  # a teacher run without the conditions any rule reads
         return []
     lines = ["", "Readings by the rules written before the runs (docs/toy-study.md): a "
                  "difference stands out beyond two standard errors over seeds.", ""]

@@ -5,7 +5,8 @@ import math
 import readings
 import results as R
 
-# three seeds a condition: (gsm8k, forgetting, retention, update norm, state distance)
+# three seeds a condition, each seed's readings.METRICS: (gsm8k, forgetting, retention,
+# update norm, state distance)
 STUDY = {
     "mild": [(0.57, 0.01, 0.98, 16.6, 0.82), (0.57, 0.03, 0.96, 16.5, 0.82),
              (0.58, 0.00, 1.00, 16.6, 0.82)],
@@ -26,7 +27,7 @@ STUDY = {
     "kd-degraded": [(0.04, 0.12, 0.82, 26.0, 1.09), (0.03, 0.16, 0.76, 26.1, 1.07),
                     (0.05, 0.08, 0.89, 25.9, 1.10)],
 }
-KEYS = ("gsm8k", "forgetting", "retention", "update_norm", "state_distance")
+KEYS = readings.METRICS
 
 
 def rows(study=STUDY, base=0.38):
