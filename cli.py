@@ -168,6 +168,13 @@ def run_script(main, memory_fix="rerun with smaller settings"):
         raise SystemExit(f"error: the CPU ran out of memory ({what}); {memory_fix}") from None
 
 
+def parsed(add_args, argv):
+    """A script's flags as it parses them (add_args: its add_*_args)."""
+    p = argparse.ArgumentParser()
+    add_args(p)
+    return p.parse_args(argv)
+
+
 def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     """The flags every training script shares; each script passes its own defaults."""
     add_model_args(p)

@@ -15,6 +15,7 @@ SFT with every gold answer's final number wrong), since the toy's stress SFT gai
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
     python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
     python reproduce.py --study frontier   # forgetting at matched gain (docs/frontier-study.md)
+    python reproduce.py --conditions mild,stress,rl   # those alone (an OPD run brings its teacher)
 
 Every stage is skipped when its outputs exist (an evaluation or drift only when it is of the
 adapter there now, measured with the preset's flags), and an interrupted training run resumes
@@ -59,10 +60,9 @@ NOT_SETTINGS = ("resume", "out", "model", "data_dir", "device", "dtype", "recomp
 
 
 def runs_of(out, seed=0):
-    """name -> (script, arguments): the six post-training conditions of the paper,
-    kd-stress (opd-stress on the teacher's states), opd-sampled, and P3's degraded teacher
-    with its pair. Seed 0 writes out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD
-    teachers too)."""
+    """name -> (script, arguments): the paper's six conditions, kd-stress (opd-stress on the
+    teacher's states), opd-sampled, and P3's degraded teacher with its pair. Seed 0 writes
+    out/<condition>, seed s > 0 out/<condition>-seed<s> (its OPD teachers too)."""
     tag = f"-seed{seed}" if seed else ""
     mild, stress, degraded = (os.path.join(out, teacher + tag)
                               for teacher in ("mild", "stress", "degraded"))
@@ -229,9 +229,7 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
     stages_of = {name: condition_stages(*arguments[name]) for name in conditions}
     if jobs == 1:
         return stages.run([stage for name in conditions for stage in stages_of[name]])
-    folders = {os.path.join(out, name): name for name in conditions}
-    teacher = {name: folders.get(extra[extra.index("--teacher") + 1]) if "--teacher" in extra
-               else None for name, (_, extra) in conditions.items()}
+    teacher = teachers(conditions, out)
     waiting = sorted(conditions, key=lambda name: name not in teacher.values())  # teachers first
     running = {}  # future -> name
     os.makedirs(os.path.join(out, "logs"), exist_ok=True)
@@ -256,6 +254,27 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
                     print(f"[failed] {name}: {os.path.join(out, 'logs', name + '.log')}")
                     raise future.exception()
                 stages.record(future.result())
+
+
+def teachers(conditions, out):
+    """name -> the condition whose run it learns from (an OPD run's teacher), or None."""
+    folders = {os.path.join(out, name): name for name in conditions}
+    return {name: folders.get(extra[extra.index("--teacher") + 1]) if "--teacher" in extra
+            else None for name, (_, extra) in conditions.items()}
+
+
+def chosen(conditions, names, out):
+    """The conditions named (--conditions; every seed's), and the runs they learn from."""
+    known = sorted({runs.condition(name) for name in conditions})
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise runs.InputError(f"--conditions: no condition {', '.join(unknown)} in this study; "
+                              f"pick from {','.join(known)}")
+    teacher, keep = teachers(conditions, out), [n for n in conditions if runs.condition(n) in names]
+    for name in keep:  # grows as it goes: a teacher's own teacher comes too
+        if teacher[name] and teacher[name] not in keep:
+            keep.append(teacher[name])
+    return {name: run for name, run in conditions.items() if name in keep}
 
 
 def orphan_guard(parent):
@@ -302,6 +321,8 @@ def main(argv=None):
     p.add_argument("--jobs", type=cli.number(int, 1), default=None,
                    help="conditions trained at once, each in a process of its own (default: "
                         "as many as the CPU threads, up to 4; on a GPU, 1)")
+    p.add_argument("--conditions", type=lambda s: s.split(","), default=None,
+                   help="only these, comma-separated (e.g. mild,stress,rl), with their teachers")
     cli.add_model_args(p, model_help="base model (default: the preset's)")
     args = p.parse_args(argv)
     on_cpu = cli.resolve_device(args.device)[0].type == "cpu"
@@ -325,7 +346,7 @@ def base_model(args, preset, out):
     reused), the preset's model, or a tiny random one (smoke)."""
     if preset["model"] == "toy":
         t0 = time.time()
-        toy_args = parsed(cli.add_toy_args, preset["toy"])
+        toy_args = cli.parsed(cli.add_toy_args, preset["toy"])
         data_dir, model = toy.pretrain(out, toy_args, None if args.pretrain else toy.SHIPPED)
         print(f"toy world and base model ready ({time.time() - t0:.0f}s)")
         return args.model or model, data_dir
@@ -342,22 +363,23 @@ def study(args, preset, out):
     if args.preset == "paper" and cli.resolve_device(args.device)[0].type == "cpu":
         print("note: the paper preset is meant for a GPU, and would take days on a CPU; --preset "
               "toy is the study at CPU scale")
-    model, data_dir = base_model(args, preset, out)
-    device = [f for k in ("device", "dtype") if getattr(args, k)
-              for f in (f"--{k}", getattr(args, k))]
-    common = ["--model", model, "--data-dir", data_dir, *device]
     conditions = {}
     for seed in range(args.seeds):
         conditions.update(runs_of(out, seed) if args.study == "main" else
                           frontier_runs(out, seed, args.preset))
+    conditions = chosen(conditions, args.conditions, out) if args.conditions else conditions
+    model, data_dir = base_model(args, preset, out)
+    device = [f for k in ("device", "dtype") if getattr(args, k)
+              for f in (f"--{k}", getattr(args, k))]
+    common = ["--model", model, "--data-dir", data_dir, *device]
     base_eval = [*preset["eval"], *preset.get("eval_base", [])]  # the base's: also its band's
     stages = Stages(out)
     stages.run([("evaluate base", evaluated([out], model, base_eval),
                  lambda: evaluate.main(["base", "--out", out, *common, *base_eval]))])
     if args.preset == "toy":
-        check_calibration(M.read_json(os.path.join(out, "eval.json")))
+        toy.check_calibration(M.read_json(os.path.join(out, "eval.json")))
     run_conditions(stages, args.jobs, conditions, args.preset, out, model, common)
-    drift_settings = {**vars(parsed(drift.add_drift_args, preset["drift"])), "model": model}
+    drift_settings = {**vars(cli.parsed(drift.add_drift_args, preset["drift"])), "model": model}
 
     def unmeasured():  # every run, and each snapshot of one: a point of its own
         folders = [f for name in conditions for f in (
@@ -412,38 +434,12 @@ def condition_stages(preset_name, out, name, script, extra, model, common):
                       lambda: evaluate_them(folder))]
 
 
-def parsed(add_args, argv):
-    """A script's flags as it parses them (add_args: its add_*_args)."""
-    p = argparse.ArgumentParser()
-    add_args(p)
-    return p.parse_args(argv)
-
-
 def evaluated(folders, model, flags):
     """done() of an evaluation: whether each folder's eval.json holds every column the
     preset's flags ask for, measured with them on the adapter there now."""
-    settings = {**vars(parsed(evaluate.add_eval_args, flags)), "model": model}
+    settings = {**vars(cli.parsed(evaluate.add_eval_args, flags)), "model": model}
     columns = evaluate.columns(settings)
     return lambda: all(provenance.current(f, "eval.json", columns, settings) for f in folders)
-
-
-def check_calibration(scores):
-    """The toy base model's calibration band: room to move both ways on every task, and a target
-    it solves in some of its samples (pass@K, where the evaluation drew K)."""
-    bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.45),
-             "mmlu": (scores["mmlu"]["acc"], 0.5, 0.95),
-             "truthfulqa": (scores["truthfulqa"]["mc1"], 0.5, 0.95)}
-    drawn = scores.get("gsm8k_samples")  # often right some of the time: room for RL to sharpen it
-    if drawn:
-        bands[f"gsm8k pass@{drawn['samples']}"] = (drawn[f"pass@{drawn['samples']}"], 0.8, 1.01)
-    for name, (value, lo, hi) in bands.items():
-        print(f"base {name}: {value:.3f} (band {lo} to {hi})")
-    bad = [f"{n} {v:.3f} outside [{lo}, {hi}]" for n, (v, lo, hi) in bands.items()
-           if not lo <= v < hi]
-    if bad:
-        raise SystemExit(f"the toy base model is out of its calibration band: {'; '.join(bad)}; "
-                         f"change --pretrain-steps or --target-problems in the toy preset and "
-                         f"delete the base-model folder")
 
 
 if __name__ == "__main__":

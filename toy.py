@@ -168,6 +168,25 @@ def pretraining_steps(net, opt, stream, args, mark, checkpoint, checkpoint_path,
             M.write_atomic(checkpoint_path, lambda path: torch.save(state, path))
 
 
+def check_calibration(scores):
+    """The toy base model's calibration band: room to move both ways on every task, and a target
+    it solves in some of its samples (pass@K, where the evaluation drew K)."""
+    bands = {"gsm8k": (scores["gsm8k"]["flexible"], 0.2, 0.45),
+             "mmlu": (scores["mmlu"]["acc"], 0.5, 0.95),
+             "truthfulqa": (scores["truthfulqa"]["mc1"], 0.5, 0.95)}
+    drawn = scores.get("gsm8k_samples")  # often right some of the time: room for RL to sharpen it
+    if drawn:
+        bands[f"gsm8k pass@{drawn['samples']}"] = (drawn[f"pass@{drawn['samples']}"], 0.8, 1.01)
+    for name, (value, lo, hi) in bands.items():
+        print(f"base {name}: {value:.3f} (band {lo} to {hi})")
+    bad = [f"{n} {v:.3f} outside [{lo}, {hi}]" for n, (v, lo, hi) in bands.items()
+           if not lo <= v < hi]
+    if bad:
+        raise SystemExit(f"the toy base model is out of its calibration band: {'; '.join(bad)}; "
+                         f"change --pretrain-steps or --target-problems in the toy preset and "
+                         f"delete the base-model folder")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -274,17 +274,16 @@ def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_pat
     out = tmp_path / "eval"
     import evaluate
     evaluate.main(["base", "--out", str(out), "--model", shipped, "--data-dir", str(tmp_path / "data"), *evaluate_args])
-    reproduce.check_calibration(M.read_json(str(out / "eval.json")))  # stops outside the band
+    toy.check_calibration(M.read_json(str(out / "eval.json")))  # stops outside the band
 
 
 def test_the_calibration_band_asks_a_base_that_solves_most_problems_in_some_of_its_samples(capsys):
-    import reproduce
     scores = dict(gsm8k=dict(flexible=0.3), mmlu=dict(acc=0.8), truthfulqa=dict(mc1=0.7))
-    reproduce.check_calibration(scores)  # no samples drawn: the three scores alone
+    toy.check_calibration(scores)  # no samples drawn: the three scores alone
     drawn = dict(samples=16, **{"pass@16": 0.85})
-    reproduce.check_calibration({**scores, "gsm8k_samples": drawn})
+    toy.check_calibration({**scores, "gsm8k_samples": drawn})
     assert "base gsm8k pass@16: 0.850 (band 0.8 to 1.01)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="gsm8k pass@16 0.700 outside"):
-        reproduce.check_calibration({**scores, "gsm8k_samples": {**drawn, "pass@16": 0.7}})
+        toy.check_calibration({**scores, "gsm8k_samples": {**drawn, "pass@16": 0.7}})
     with pytest.raises(SystemExit, match="gsm8k 0.500 outside"):  # greedy as good as RL should make it: no room
-        reproduce.check_calibration({**scores, "gsm8k": dict(flexible=0.5)})
+        toy.check_calibration({**scores, "gsm8k": dict(flexible=0.5)})
