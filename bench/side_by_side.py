@@ -62,7 +62,7 @@ def main():
                    "of unequal runs measures, side by side, the wait for the longer)")
     args = p.parse_args()
     # the world and the shipped base: a second
-    data_dir, model = toy.pretrain(args.out, reproduce.parsed(cli.add_toy_args, []))
+    data_dir, model = toy.pretrain(args.out, cli.parsed(cli.add_toy_args, []))
     threads = torch.get_num_threads()  # as reproduce.py shares them out
     print(f"{threads} threads; side by side: 2 runs of {max(1, threads // 2)} each", flush=True)
     rounds = []
