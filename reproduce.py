@@ -222,7 +222,8 @@ def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
     """Every condition's stages (condition_stages). With jobs > 1, up to that many conditions
     at once, each in a process of its own with an equal share of the CPU threads, a condition
     once its teacher's run is done: a tiny model's steps run on two threads little faster than
-    on one, so on a CPU runs side by side finish sooner, with the same bits. A worker's output
+    on one, so on a CPU runs side by side finish sooner (the bits of one at a time with as many
+    threads: another thread count rounds sums otherwise, as another CPU does). A worker's output
     goes to out/logs/<condition>.log."""
     arguments = {name: (preset_name, out, name, *conditions[name], model, common)
                  for name in conditions}  # condition_stages's

@@ -18,6 +18,7 @@ def test_smoke_study_runs_end_to_end_and_resumes(data_dir, tmp_path):
     first = subprocess.run([*cmd, "--jobs", "3"], capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
     # three conditions at once, each in a process of its own, each after its teacher: the bits of one at a time
+    # (on this tiny model a thread count does not change the sums; on the toy's it can, docs/toy-study.md)
     alone = tmp_path / "alone"
     one = subprocess.run([*cmd[:-1], str(alone), "--jobs", "1"], capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-3000:]
