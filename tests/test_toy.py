@@ -105,14 +105,11 @@ def test_pretraining_autocasts_to_bf16_by_default_only_where_the_cpu_has_bf16_pr
 
 
 def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypatch, capsys):
-    import argparse
     import pytest
     import torch
     from safetensors.torch import load_file
-    p = argparse.ArgumentParser()
-    cli.add_toy_args(p)
-    args = p.parse_args(["--pretrain-steps", "25", "--hidden", "32", "--layers", "1", "--vocab", "300", "--batch", "4",
-                         "--context", "64", "--target-problems", "50", "--bf16", "0"])
+    args = cli.parsed(cli.add_toy_args, ["--pretrain-steps", "25", "--hidden", "32", "--layers", "1", "--vocab", "300",
+                                         "--batch", "4", "--context", "64", "--target-problems", "50", "--bf16", "0"])
     monkeypatch.setattr(toy, "PRETRAIN_SAVE_EVERY", 10)
     toy.pretrain(str(tmp_path / "whole"), args)
     lr_at = train.lr_at
@@ -183,10 +180,9 @@ def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(cap
 
 
 def tiny_toy_args(*extra):
-    p = argparse.ArgumentParser()
-    cli.add_toy_args(p)
-    return p.parse_args(["--pretrain-steps", "3", "--hidden", "32", "--layers", "1", "--vocab", "300", "--batch", "2",
-                         "--context", "32", "--target-problems", "40", "--bf16", "0", *extra])
+    return cli.parsed(cli.add_toy_args, ["--pretrain-steps", "3", "--hidden", "32", "--layers", "1", "--vocab", "300",
+                                         "--batch", "2", "--context", "32", "--target-problems", "40", "--bf16", "0",
+                                         *extra])
 
 
 def test_a_shipped_base_is_taken_only_where_its_fingerprint_is_of_the_world_settings_and_code(tmp_path, monkeypatch,
