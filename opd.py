@@ -21,8 +21,8 @@ Signal source: the teacher, queried at those states.
                detached, through RL's clipped loss: a one-sample estimate of the gradient
                of --signal logits --kl reverse.
 
-A teacher is a run folder (the base + its adapter, which shares the student's frozen weights
-in memory) or a model id; --model and --data-dir default to the teacher run's own.
+A teacher is a run folder (the base + its adapter, sharing the student's frozen weights in
+memory; the student takes its --model and --data-dir and runs beside it) or a model id.
 
     python opd.py --teacher out/stress              # -> out/opd-stress
     python opd.py --teacher out/mild --signal logits --out out/opd-logits-mild
@@ -46,7 +46,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", required=True, help="run folder, model id or model folder")
-    p.add_argument("--out", default=None, help="default: out/opd-<teacher>[-<source>-states]")
+    p.add_argument("--out", default=None, help="default: opd-<teacher>[-<source>-states] (above)")
     p.add_argument("--signal", choices=["continuation", "logits", "sampled"],
                    default="continuation", help="(above)")
     p.add_argument("--kl", choices=["forward", "reverse"], default="forward", help="(above)")
@@ -61,8 +61,9 @@ def parse_args(argv):
     cli.add_training_args(p, lr=1e-4, rank=16, alpha=32)
     args = p.parse_args(argv)
     source = "" if args.state_source == "student" else f"-{args.state_source}-states"
-    teacher = os.path.basename(os.path.normpath(args.teacher))
-    args.out = args.out or f"out/opd-{teacher}{source}"
+    folder = os.path.normpath(args.teacher)
+    beside = os.path.dirname(folder) if os.path.isfile(os.path.join(folder, "run.json")) else "out"
+    args.out = args.out or os.path.join(beside, f"opd-{os.path.basename(folder)}{source}")
     return args
 
 

@@ -151,6 +151,18 @@ def test_a_teacher_that_is_the_base_model_however_spelt_shares_the_students_copy
     assert runs.load_teacher(model, tok, str(tmp_path / "linked"), tiny_model)[0] is model
 
 
+def test_a_students_run_folder_lies_beside_its_teacher_run_and_a_model_ids_in_out(tmp_path):
+    teacher = tmp_path / "toy" / "stress"
+    teacher.mkdir(parents=True)
+    (teacher / "run.json").write_text("{}")
+    assert opd.parse_args(["--teacher", f"{teacher}/"]).out == str(tmp_path / "toy" / "opd-stress")
+    assert opd.parse_args(["--teacher", str(teacher), "--state-source", "teacher"]).out == str(
+        tmp_path / "toy" / "opd-stress-teacher-states")
+    assert opd.parse_args(["--teacher", "Qwen/Qwen3-1.7B"]).out == os.path.join("out",
+                                                                                "opd-Qwen3-1.7B")
+    assert opd.parse_args(["--teacher", str(teacher), "--out", "elsewhere"]).out == "elsewhere"
+
+
 def test_opd_logit_kl_reads_a_separate_teachers_logits_from_its_own_output_layer(tiny_model, data_dir, tmp_path):
     # the teacher: the student's base with an output layer of its own. At the first step the
     # student is that base, so the two models' states are the same and only the output
