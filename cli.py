@@ -131,6 +131,16 @@ def model_and_data_from(args, *folders):
     return args
 
 
+def unless_given(args, defaults, record, where):
+    """Each flag of defaults (name -> default) that the command line left None: record's value,
+    printed where it is not the default and with where it came from, else the default."""
+    for name, default in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, record.get(name, default))
+            if getattr(args, name) != default:
+                print(f"--{name.replace('_', '-')} {getattr(args, name)} (from {where})")
+
+
 def resolve(args, *folders):
     """A training script's start: model_and_data_from, every setting printed, the device."""
     model_and_data_from(args, *folders)

@@ -36,6 +36,7 @@ TASKS = ("gsm8k", "mmlu", "truthfulqa")
 RETENTION_TASKS = ("truthfulqa", "mmlu")  # the paper averages forgetting over these two
 FLAGS = ("tasks", "gsm8k_limit", "gsm8k_fewshot", "samples", "max_new_tokens", "mmlu_limit",
          "mmlu_shots", "mmlu_scoring", "truthfulqa_limit", "batch_size", "seed")
+MEASURED = sorted({f for k in ("gsm8k_fewshot", "mmlu", "truthfulqa") for f in provenance.FLAGS[k]})
 
 
 # -----------------------------------------------------------------------------
@@ -128,8 +129,8 @@ def eval_gsm8k(model, tok, rows, train_rows, shots, batch_size, max_new_tokens):
     samples = []
     for i, (row, [text]) in enumerate(zip(rows, completions)):
         strict, flexible = (data.extract_answer(text, way) for way in ("strict", "flexible"))
-        samples.append(dict(task=gsm8k_key(shots), index=i, prompt=prompts[i], completion=text,
-                            gold=row["gold"], strict=strict, flexible=flexible,
+        samples.append(dict(task="gsm8k_fewshot" if shots else "gsm8k", index=i, prompt=prompts[i],
+                            completion=text, gold=row["gold"], strict=strict, flexible=flexible,
                             correct=data.same_number(flexible, row["gold"]),
                             strict_correct=data.same_number(strict, row["gold"])))
     return dict(**mean_and_stderr("flexible", [s["correct"] for s in samples]),
@@ -161,11 +162,6 @@ def eval_gsm8k_samples(model, tok, rows, K, batch_size, max_new_tokens):
               for k in range(1, K + 1)}
     return dict(**mean_and_stderr("mean", [c / K for c in right]), n=len(samples), samples=K,
                 **passes), samples
-
-
-def gsm8k_key(shots):
-    """eval.json's key of a GSM8K score: gsm8k for the 0-shot one, gsm8k_fewshot for the other."""
-    return "gsm8k" if shots == 0 else "gsm8k_fewshot"
 
 
 def eval_mmlu(model, tok, data_dir, limit, shots, scoring, seed, batch_size):
@@ -346,8 +342,9 @@ def evaluate(model, tok, data_dir, tasks, gsm8k_limit, gsm8k_fewshot, samples, m
             rows = data.load_gsm8k("test", data_dir)[:gsm8k_limit or None]
             train_rows = data.load_gsm8k("train", data_dir)
             for shots in [0] + [gsm8k_fewshot] * (gsm8k_fewshot > 0):
-                results[gsm8k_key(shots)], part = eval_gsm8k(model, tok, rows, train_rows, shots,
-                                                             batch_size, max_new_tokens)
+                key = "gsm8k_fewshot" if shots else "gsm8k"  # eval.json's column
+                results[key], part = eval_gsm8k(model, tok, rows, train_rows, shots, batch_size,
+                                                max_new_tokens)
                 drawn += part
             if samples:
                 results["gsm8k_samples"], part = eval_gsm8k_samples(model, tok, rows, samples,
@@ -397,6 +394,8 @@ def main(argv=None):
                    help="the study folder, where the base model's eval.json is (default: the "
                         "folder holding the first run folder given, else out)")
     add_eval_args(p)
+    defaults = {k: p.get_default(k) for k in MEASURED}
+    p.set_defaults(**dict.fromkeys(MEASURED))  # not given: as the study's base was measured
     args = p.parse_args(argv)
     if not args.runs:
         p.error("name 'base' and/or run folders to evaluate (the table of a study: python "
@@ -412,14 +411,15 @@ def main(argv=None):
         raise M.InputError(f"--out {args.out} is a run folder: the base's eval.json would replace "
                            f"the run's; pass the folder that holds the runs (out, say)")
     base_path = os.path.join(args.out, "eval.json")
-    if args.runs[0] != "base" and os.path.isfile(base_path):  # else the base is evaluated anew
+    base = M.read_json(base_path) if args.runs[0] != "base" and os.path.isfile(base_path) else {}
+    cli.unless_given(args, defaults, provenance.measured_with(base), base_path)  # or base anew
+    if base:
         retained = [t for t in RETENTION_TASKS if t in columns(vars(args))]
         provenance.check_measured_alike(base_path, retained, vars(args))
     print(vars(args))
     if "base" not in args.runs and not os.path.isfile(base_path):
-        print(f"note: no base evaluation in {args.out} ({base_path}), so no forgetting or "
-              f"retention for these runs; evaluate 'base' there first, or pass the --out that "
-              f"holds it")
+        print(f"note: no base evaluation {base_path}, so no forgetting or retention for these "
+              f"runs; evaluate 'base' there first, or pass the --out that holds it")
     device, dtype = cli.device_from_args(args)
     flags = {k: getattr(args, k) for k in FLAGS}
     # held while evaluated: a second evaluation would mix its eval.json with this one's samples,

@@ -76,6 +76,17 @@ def current(folder, file, kinds, settings):
                                 fingerprint(kind, settings, sha)) is None for kind in kinds)
 
 
+def measured_with(found):
+    """The flags the columns of an eval.json (found) were measured with, read from their
+    fingerprints (GSM8K without a few-shot column: --gsm8k-fewshot 0): those a run of the same
+    study is measured with, where its own are not given (evaluate.py)."""
+    flags = {k: v for column in found.values() if isinstance(column, dict)
+             for k, v in column.get("fingerprint", {}).items()}
+    if "gsm8k" in found and "gsm8k_fewshot" not in found:
+        flags["gsm8k_fewshot"] = 0
+    return flags
+
+
 def check_measured_alike(path, kinds, settings):
     """Stop unless the base's eval.json at path scored each of kinds as settings would, on the
     same model: forgetting compares a run with its base on the very same questions."""

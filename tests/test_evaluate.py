@@ -161,6 +161,34 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
         E.main([str(run), "--mmlu-limit", "8", *flags])
 
 
+def test_a_run_is_scored_as_its_studys_base_was_unless_a_flag_says_otherwise(tiny_model, data_dir, tmp_path,
+                                                                            capsys):
+    # as after the toy study: the base scored with flags that are not evaluate.py's defaults
+    flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path), "--batch-size", "4"]
+    study = {"--gsm8k-limit": "3", "--gsm8k-fewshot": "0", "--max-new-tokens": "8", "--mmlu-limit": "4",
+             "--mmlu-shots": "0", "--mmlu-scoring": "text", "--truthfulqa-limit": "3", "--seed": "5"}
+    E.main(["base", *flags, *[x for kv in study.items() for x in kv]])
+    # one task of the base again: its other columns stay, measured as before, whatever flags this
+    # call took for them; what the base was measured with is in its columns' fingerprints
+    E.main(["base", *flags, "--tasks", "truthfulqa", "--truthfulqa-limit", "3"])
+    m, _ = M.load(tiny_model)
+    lora.add_lora(m, rank=2, alpha=4)
+    run = tmp_path / "opd-rl"
+    lora.save_adapter(m, str(run))
+    (run / "run.json").write_text(json.dumps({"model": tiny_model}))
+    capsys.readouterr()
+    E.main([str(run), *flags])  # no scoring flag: the base's, each printed with where it came from
+    said = capsys.readouterr().out
+    assert all(f"{flag} {value} (from {tmp_path / 'eval.json'})" in said for flag, value in study.items())
+    base, result = (json.loads((f / "eval.json").read_text()) for f in (tmp_path, run))
+    assert sorted(result) == sorted([*base, "retention"])  # no 5-shot GSM8K column the base lacks
+    for column in ("gsm8k", "mmlu", "truthfulqa"):
+        assert {**result[column]["fingerprint"], "adapter_sha256": None} == base[column]["fingerprint"]
+    assert result["retention"]["forgetting"] == 0.0  # an adapter of zeros: the base, question for question
+    with pytest.raises(M.InputError, match="with --mmlu-shots 0, this evaluation with 1"):
+        E.main([str(run), *flags, "--mmlu-shots", "1"])  # a flag given still wins
+
+
 def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path, capsys):
     """Two bases of the same shapes: the adapter would load on either without a word."""
     m, _ = M.load(tiny_models["tied"])
@@ -310,7 +338,7 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
     E.main([str(run), str(run), *flags])  # a second adapter named like the first stopped it with a ValueError
     assert evaluated == ["mmlu"] and json.loads((run / "eval.json").read_text())["mmlu"]["n"] == 2
     # no base evaluation in --out: said, not left to a table of dashes
-    assert f"note: no base evaluation in {tmp_path} ({tmp_path}/eval.json), so no forgetting" in capsys.readouterr().out
+    assert f"note: no base evaluation {tmp_path}/eval.json, so no forgetting" in capsys.readouterr().out
     assert "retention" not in json.loads((run / "eval.json").read_text())
     before = (run / "eval.json").read_text()
     with pytest.raises(M.InputError, match=f"--out {run} is a run folder: the base's eval.json would replace the run's"):
