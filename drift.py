@@ -342,11 +342,7 @@ def base_rollouts(model, tok, prompts, train_rows, out, model_name, rollout):
                     dtype=str(weight.dtype).removeprefix("torch."),
                     prompts_sha256=provenance.digest(prompts),
                     train_sha256=provenance.digest(train_rows))
-    cache_path = os.path.join(out, "drift_base.json")
-    try:  # a cache: one damaged is made again
-        base = M.read_json(cache_path) if os.path.isfile(cache_path) else None
-    except M.InputError:
-        base = None
+    base = cached(out)
     if base is None or base["settings"] != settings or "prompts" not in base:
         lora.set_adapter(model, None)
         model.eval()
@@ -356,8 +352,25 @@ def base_rollouts(model, tok, prompts, train_rows, out, model_name, rollout):
                     **collect(model, tok, prompts, **rollout))
         if not cli.RANK:  # under torchrun, one process writes
             os.makedirs(out, exist_ok=True)
-            M.write_json(cache_path, base)
+            M.write_json(os.path.join(out, "drift_base.json"), base)
     return base
+
+
+def cached(out):
+    """The base's rollouts cached in out/drift_base.json, or None (a damaged cache is made
+    again): their settings are the study's, which a run's drift is measured with by default."""
+    try:
+        return M.read_json(os.path.join(out, "drift_base.json"))
+    except (OSError, M.InputError):
+        return None
+
+
+def json_name(text):
+    """An argparse type: --save-as, a file name ending in .json (written into each run folder)."""
+    if os.path.basename(text) != text or not text.endswith(".json"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a file name ending in .json (it is "
+                                         f"written into each run folder)")
+    return text
 
 
 def main(argv=None):
@@ -368,16 +381,17 @@ def main(argv=None):
     p.add_argument("--out", default=None,
                    help="the study folder, where the base rollouts are cached (drift_base.json; "
                         "default: the folder holding the first run folder)")
-    p.add_argument("--save-as", default="drift.json",
+    p.add_argument("--save-as", default="drift.json", type=json_name,
                    help="file name of the result in each run folder (e.g. another name for "
                         "another --embed)")
     add_drift_args(p)
+    defaults = {k: p.get_default(k) for k in ("prompts", *ROLLOUT)}
+    p.set_defaults(**dict.fromkeys(defaults))  # not given: as the study's base rollouts were
     args = p.parse_args(argv)
-    if os.path.basename(args.save_as) != args.save_as or not args.save_as.endswith(".json"):
-        raise M.InputError(f"--save-as {args.save_as!r}: give a file name ending in .json (it is "
-                           f"written into each run folder)")
     args.out = args.out or os.path.dirname(os.path.normpath(args.runs[0])) or "."
     cli.model_and_data_from(args, *args.runs)
+    cli.unless_given(args, defaults, (cached(args.out) or {}).get("settings", {}),
+                     os.path.join(args.out, "drift_base.json"))
     for run in args.runs:
         runs.check_run_folder(run, args.model)
     print(vars(args))

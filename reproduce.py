@@ -387,8 +387,10 @@ def study(args, preset, out):
             *frontier.snapshots(os.path.join(out, name)), os.path.join(out, name))]
         return [f for f in folders
                 if not provenance.current(f, "drift.json", ["drift"], drift_settings)]
-    stages.run([("drift", lambda: not unmeasured(),
-                 lambda: drift.main([*unmeasured(), "--out", out, *common, *preset["drift"]]))])
+    rollout = [x for k in ("prompts", *drift.ROLLOUT)  # each given: none from a cache's settings
+               for x in (f"--{k.replace('_', '-')}", str(drift_settings[k]))]
+    stages.run([("drift", lambda: not unmeasured(), lambda: drift.main(
+        [*unmeasured(), "--out", out, *common, *preset["drift"], *rollout]))])
 
     table = results.write_results(out, preset=args.preset, model=model, timings=stages.timings)
     print(table if args.study == "main" else frontier.write_report(out))

@@ -237,13 +237,37 @@ def test_a_run_that_samples_as_the_base_does_has_no_drift(tiny_model, data_dir, 
                     "--prompts", "7"])
 
 
+def test_a_runs_drift_is_measured_as_its_studys_base_rollouts_were_unless_a_flag_says_otherwise(
+        tiny_model, data_dir, tmp_path, capsys):
+    import lora
+    out, study = tmp_path / "out", ["--prompts", "4", "--max-new-tokens", "10", "--stride", "3",
+                                    "--temperature", "0.5", "--seed", "3"]
+    m, _ = M.load(tiny_model)
+    lora.add_lora(m, rank=2, alpha=4)
+    for name in ("mild", "opd-rl"):
+        lora.save_adapter(m, str(out / name), base_model=tiny_model)
+    flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--permutations", "5"]
+    drift.main([str(out / "mild"), *flags, *study])  # the study's drift: the base's rollouts cached
+    cache = (out / "drift_base.json").read_text()
+    capsys.readouterr()
+    drift.main([str(out / "opd-rl"), *flags])  # a run of that study, no rollout flag
+    said = capsys.readouterr().out
+    assert all(f"{k} {v} (from {out / 'drift_base.json'})" in said for k, v in zip(study[::2], study[1::2]))
+    assert (out / "drift_base.json").read_text() == cache  # the study's base rollouts, read again
+    mild, new = (json.loads((out / name / "drift.json").read_text()) for name in ("mild", "opd-rl"))
+    assert new["settings"] == mild["settings"] and new["fingerprint"] == mild["fingerprint"]
+    drift.main([str(out / "opd-rl"), *flags, "--max-new-tokens", "6"])  # a flag given wins
+    assert json.loads((out / "opd-rl" / "drift.json").read_text())["settings"]["max_new_tokens"] == 6
+
+
 def test_drift_cli_names_bad_arguments(capsys):
     with pytest.raises(SystemExit) as e:
         drift.main(["out/stress", "--prompts", "1"])
     assert e.value.code == 2
     assert "argument --prompts: must be at least 2, got 1: MMD^2 compares states of different prompts" in capsys.readouterr().err
-    with pytest.raises(M.InputError, match="a file name ending in .json"):
+    with pytest.raises(SystemExit):
         drift.main(["out/stress", "--save-as", "out/d.json"])
+    assert "argument --save-as: 'out/d.json': give a file name ending in .json" in capsys.readouterr().err
 
 
 def test_offpolicy_gap_is_the_bases_nll_of_gold_answers_and_of_its_own_samples(tiny_model, data_dir):
