@@ -112,6 +112,7 @@ def main(argv=None):
     args = parse_args(argv)
     weights = cli.mixture(args.state_source, ("student", "teacher", "data"), "--state-source")
     device, dtype = cli.resolve(args, args.out if args.resume else None, args.teacher)
+    runs.check_teacher(args.teacher, args.model)  # before any model loads
     model, tok = M.load(args.model, device, dtype)
     teacher = runs.load_teacher(model, tok, args.teacher, args.model)  # (model, adapter)
     run = runs.RunFolder(args.out, vars(args))
@@ -153,9 +154,8 @@ def main(argv=None):
         shares = {f"share_{s}": (sources.count(s), len(sources)) for s in weights}
         run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
                      **({"state_kl": loss} if args.signal == "logits" else {})),
-                reward=(sum(rewards), len(rewards)),
-                completion_len=(measures["state_nll"][1], len(rewards)), **measures,
-                **(shares if len(weights) > 1 else {}))
+                reward=(sum(rewards), len(rewards)), **(shares if len(weights) > 1 else {}),
+                completion_len=(measures["state_nll"][1], len(rewards)), **measures)
     print(f"done: adapter in {args.out}")
 
 

@@ -166,11 +166,21 @@ def check_run_folder(folder, model, also=""):
               f"its last adapter")
 
 
-def load_teacher(model, tok, teacher, base):
-    """(teacher model, its adapter): adapter 'teacher' on the student's shared base, the base
-    itself (adapter None), or another model of the same tokenizer in a copy of its own."""
-    if os.path.isdir(teacher) and not os.path.isfile(os.path.join(teacher, "config.json")):
+def check_teacher(teacher, base):
+    """Stop unless --teacher is a run folder trained on base, a model folder or a hub id (whose
+    files it fetches), before any model loads: a mistyped path is said first, not after the
+    student's model is loaded, or fetched."""
+    if not os.path.isdir(teacher):
+        model_folder(teacher, "--teacher")
+    elif not os.path.isfile(os.path.join(teacher, "config.json")):
         check_run_folder(teacher, base, also=", or a model folder (config.json)")
+
+
+def load_teacher(model, tok, teacher, base):
+    """(teacher model, its adapter), of a teacher check_teacher passed: adapter 'teacher' on the
+    student's shared base, the base itself (adapter None), or another model of the same
+    tokenizer in a copy of its own."""
+    if os.path.isdir(teacher) and not os.path.isfile(os.path.join(teacher, "config.json")):
         lora.load_adapter(model, teacher, name="teacher", activate=False)
         return model, "teacher"
     if provenance.same_model(teacher, base):  # the base itself, however spelt: no second copy

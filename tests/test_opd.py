@@ -336,8 +336,17 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkey
             cli.run_script(opd.main)
         return str(e.value.code).strip().splitlines()
 
+    load = M.load
+
+    def too_soon(*args, **kwargs):  # where --model is the default, that would fetch Qwen3 first
+        raise AssertionError("a model loaded before --teacher was checked")
+    monkeypatch.setattr(M, "load", too_soon)
     lines = run("does/not/exist", tiny_models["tied"])
     assert len(lines) == 1 and "--teacher 'does/not/exist' is neither a local folder nor a hub id" in lines[0], lines
+    lines = run(tmp_path, tiny_models["tied"])  # the study's folder, not a run in it
+    assert len(lines) == 1 and lines[0].endswith("is not a run folder (no adapter_config.json); name a folder "
+                                                 "written by sft.py, rl.py or opd.py, or a model folder (config.json)")
+    monkeypatch.setattr(M, "load", load)
     import huggingface_hub
 
     def offline(*args, **kwargs):
