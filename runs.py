@@ -151,7 +151,9 @@ def check_run_folder(folder, model, also=""):
     process (a run still training, an evaluation writing it); also names what else the
     caller takes in place of a run folder."""
     if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
-        if any(os.path.exists(os.path.join(folder, f)) for f in (".lock", "run.json", "log.jsonl")):
+        left = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+        # a study's folder holds a .lock too (reproduce.py, evaluate.py base): never "delete it"
+        if left & {"run.json", "log.jsonl"} or left == {".lock"}:
             raise InputError(f"{folder} holds a run that never trained to its first checkpoint (no "
                              f"adapter); train it again, or delete the folder")
         raise InputError(f"{folder} is not a run folder (no adapter_config.json); name a folder "

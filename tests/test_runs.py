@@ -449,6 +449,11 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_folder(tmp_p
         runs.check_run_folder(folder, "m")
     with pytest.raises(M.InputError, match="is not a run folder"):
         runs.check_run_folder(str(tmp_path), "m")
+    # a study's folder, held by reproduce.py and evaluate.py: not a run, and not one to delete
+    open(tmp_path / ".lock", "w").close()
+    (tmp_path / "eval.json").write_text("{}")
+    with pytest.raises(M.InputError, match=rf"^{tmp_path} is not a run folder \(no adapter_config.json\)"):
+        runs.check_run_folder(str(tmp_path), "m")
 
 
 def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_path, monkeypatch, capsys):
