@@ -379,8 +379,8 @@ def main(argv=None):
     p.add_argument("runs", nargs="+", help="run folders to compare with the base model")
     cli.add_model_args(p)
     p.add_argument("--out", default=None,
-                   help="the study folder, where the base rollouts are cached (drift_base.json; "
-                        "default: the folder holding the first run folder)")
+                   help="the study folder, with the base's rollouts (drift_base.json), whose "
+                        "flags a run takes where not given (default: the one holding the first run)")
     p.add_argument("--save-as", default="drift.json", type=json_name,
                    help="file name of the result in each run folder (e.g. another name for "
                         "another --embed)")

@@ -391,8 +391,8 @@ def main(argv=None):
                    help="'base' and/or run folders (base model + that run's adapter)")
     cli.add_model_args(p)
     p.add_argument("--out", default=None,
-                   help="the study folder, where the base model's eval.json is (default: the "
-                        "folder holding the first run folder given, else out)")
+                   help="the study folder, with the base's eval.json, whose flags a run takes "
+                        "where not given (default: the one holding the first run, else out)")
     add_eval_args(p)
     defaults = {k: p.get_default(k) for k in MEASURED}
     p.set_defaults(**dict.fromkeys(MEASURED))  # not given: as the study's base was measured
