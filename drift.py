@@ -380,7 +380,7 @@ def main(argv=None):
     cli.add_model_args(p)
     p.add_argument("--out", default=None,
                    help="the study folder, with the base's rollouts (drift_base.json), whose "
-                        "flags a run takes where not given (default: the one holding the first run)")
+                        "flags a run takes where not given (default: the first run's parent)")
     p.add_argument("--save-as", default="drift.json", type=json_name,
                    help="file name of the result in each run folder (e.g. another name for "
                         "another --embed)")

@@ -392,7 +392,7 @@ def main(argv=None):
     cli.add_model_args(p)
     p.add_argument("--out", default=None,
                    help="the study folder, with the base's eval.json, whose flags a run takes "
-                        "where not given (default: the one holding the first run, else out)")
+                        "where not given (default: the first run's parent, else out)")
     add_eval_args(p)
     defaults = {k: p.get_default(k) for k in MEASURED}
     p.set_defaults(**dict.fromkeys(MEASURED))  # not given: as the study's base was measured
