@@ -131,6 +131,14 @@ def model_and_data_from(args, *folders):
     return args
 
 
+def left_unset(p, names):
+    """The defaults of p's flags names, each set to None instead, so that unless_given can tell
+    the flags a command line leaves out."""
+    defaults = {name: p.get_default(name) for name in names}
+    p.set_defaults(**dict.fromkeys(names))
+    return defaults
+
+
 def unless_given(args, defaults, record, where):
     """Each flag of defaults (name -> default) that the command line left None: record's value,
     printed where it is not the default and with where it came from, else the default."""

@@ -310,6 +310,7 @@ def kl_to_base(model, adapter, rollouts, batch_size=16, base_states=None):
 
 # collect()'s flags: what decides the rollouts and their states
 ROLLOUT = ("max_new_tokens", "temperature", "stride", "seed")
+BASE_CACHE = "drift_base.json"  # in a study's folder: the base's rollouts, for every run's drift
 
 
 def add_drift_args(p):
@@ -352,7 +353,7 @@ def base_rollouts(model, tok, prompts, train_rows, out, model_name, rollout):
                     **collect(model, tok, prompts, **rollout))
         if not cli.RANK:  # under torchrun, one process writes
             os.makedirs(out, exist_ok=True)
-            M.write_json(os.path.join(out, "drift_base.json"), base)
+            M.write_json(os.path.join(out, BASE_CACHE), base)
     return base
 
 
@@ -360,7 +361,7 @@ def cached(out):
     """The base's rollouts cached in out/drift_base.json, or None (a damaged cache is made
     again): their settings are the study's, which a run's drift is measured with by default."""
     try:
-        return M.read_json(os.path.join(out, "drift_base.json"))
+        return M.read_json(os.path.join(out, BASE_CACHE))
     except (OSError, M.InputError):
         return None
 
@@ -385,13 +386,12 @@ def main(argv=None):
                    help="file name of the result in each run folder (e.g. another name for "
                         "another --embed)")
     add_drift_args(p)
-    defaults = {k: p.get_default(k) for k in ("prompts", *ROLLOUT)}
-    p.set_defaults(**dict.fromkeys(defaults))  # not given: as the study's base rollouts were
+    defaults = cli.left_unset(p, ("prompts", *ROLLOUT))  # not given: as the base's rollouts were
     args = p.parse_args(argv)
     args.out = args.out or os.path.dirname(os.path.normpath(args.runs[0])) or "."
     cli.model_and_data_from(args, *args.runs)
     cli.unless_given(args, defaults, (cached(args.out) or {}).get("settings", {}),
-                     os.path.join(args.out, "drift_base.json"))
+                     os.path.join(args.out, BASE_CACHE))
     for run in args.runs:
         runs.check_run_folder(run, args.model)
     print(vars(args))

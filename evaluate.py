@@ -394,8 +394,7 @@ def main(argv=None):
                    help="the study folder, with the base's eval.json, whose flags a run takes "
                         "where not given (default: the first run's parent, else out)")
     add_eval_args(p)
-    defaults = {k: p.get_default(k) for k in MEASURED}
-    p.set_defaults(**dict.fromkeys(MEASURED))  # not given: as the study's base was measured
+    defaults = cli.left_unset(p, MEASURED)  # not given: as the study's base was measured
     args = p.parse_args(argv)
     if not args.runs:
         p.error("name 'base' and/or run folders to evaluate (the table of a study: python "
