@@ -23,7 +23,7 @@ import tempfile
 import urllib.request
 import uuid
 
-from files import InputError
+from plumbing.files import InputError
 
 CACHE = os.path.join(os.path.expanduser("~"), ".cache", "states")
 RAW = "https://raw.githubusercontent.com"

@@ -49,13 +49,12 @@ import zlib
 import torch
 from tqdm import tqdm
 
-import cli
 import data
 import lora
 import model as M
-import provenance
-import runs
 import train
+from plumbing import cli, processes, provenance, runs
+from plumbing.files import InputError, read_json, write_json
 from sample import generate, left_pad
 
 # MMD^2 values this close count as equal (float64 sums over up to ~10^7 kernel entries)
@@ -220,13 +219,13 @@ def rollout_states(rollouts, stride):
 
 def collect(model, tok, prompts, max_new_tokens, temperature, stride, seed):
     """One rollout of each prompt, prompt i's drawn from seed + i, and its states (ROLLOUT)."""
-    first, last = cli.split(len(prompts))  # under torchrun, each process rolls out its share
+    first, last = processes.split(len(prompts))  # under torchrun, each process rolls out its share
     rollouts = generate(model, tok, prompts[first:last], max_new_tokens=max_new_tokens,
                         temperature=temperature, stop=data.GSM8K_STOP, seed=seed + first,
                         progress=True)
     for r in rollouts:
         r.prompt_index += first
-    rollouts = cli.joined(rollouts)
+    rollouts = processes.joined(rollouts)
     states, prompt_lengths, prompts = rollout_states(rollouts, stride)
     return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts,
                 texts=[r.text for r in rollouts])
@@ -351,9 +350,9 @@ def base_rollouts(model, tok, prompts, train_rows, out, model_name, rollout):
                                   rollout["seed"])
         base = dict(settings=settings, state_nll_gold=gold, state_nll_reference=own,
                     **collect(model, tok, prompts, **rollout))
-        if not cli.RANK:  # under torchrun, one process writes
+        if not processes.RANK:  # under torchrun, one process writes
             os.makedirs(out, exist_ok=True)
-            M.write_json(os.path.join(out, BASE_CACHE), base)
+            write_json(os.path.join(out, BASE_CACHE), base)
     return base
 
 
@@ -361,8 +360,8 @@ def cached(out):
     """The base's rollouts cached in out/drift_base.json, or None (a damaged cache is made
     again): their settings are the study's, which a run's drift is measured with by default."""
     try:
-        return M.read_json(os.path.join(out, BASE_CACHE))
-    except (OSError, M.InputError):
+        return read_json(os.path.join(out, BASE_CACHE))
+    except (OSError, InputError):
         return None
 
 
@@ -398,7 +397,7 @@ def main(argv=None):
     model, tok = M.load(args.model, *cli.device_from_args(args))
     test, train_rows = (data.load_gsm8k(split, args.data_dir) for split in ("test", "train"))
     if args.prompts > len(test):  # else fewer prompts than asked, and drift.json would say not so
-        raise M.InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} "
+        raise InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} "
                            f"questions; pass --prompts {len(test)} or fewer")
     prompts = [data.gsm8k_prompt(r["question"]) for r in test[:args.prompts]]
     rollout = {k: getattr(args, k) for k in ROLLOUT}
@@ -429,8 +428,8 @@ def main(argv=None):
                       state_nll_gold=base["state_nll_gold"], n_states_base=len(X),
                       n_states_run=len(Y), settings=base["settings"],
                       fingerprint=provenance.fingerprint("drift", vars(args), sha))
-        if not cli.RANK:
-            M.write_json(os.path.join(run, args.save_as), result)
+        if not processes.RANK:
+            write_json(os.path.join(run, args.save_as), result)
         print(f"{run}: " + json.dumps({k: v for k, v in result.items() if k != "settings"}))
 
 

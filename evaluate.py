@@ -23,13 +23,12 @@ import statistics
 import torch
 from tqdm import tqdm
 
-import cli
 import data
 import lora
 import model as M
-import provenance
-import runs
 import train
+from plumbing import cli, processes, provenance, runs
+from plumbing.files import InputError, read_json, write_atomic, write_json
 from sample import generate, left_pad
 
 TASKS = ("gsm8k", "mmlu", "truthfulqa")
@@ -58,7 +57,7 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     # like lengths share a batch: less padding
     order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
-    scores, mine = [], batches[slice(*cli.split(len(batches)))]  # torchrun: this process's share
+    scores, mine = [], batches[slice(*processes.split(len(batches)))]  # torchrun: this process's share
     for batch in tqdm(mine, desc=desc, leave=False):
         conts = [c for i in batch for c in cont_ids[i]]
         owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
@@ -93,7 +92,7 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
             sums = torch.zeros(len(conts), device=device).index_add_(0, rows, logp).tolist()
         scores.append(sums)
     results = [None] * len(contexts)
-    for batch, sums in zip(batches, cli.joined(scores)):
+    for batch, sums in zip(batches, processes.joined(scores)):
         for i in batch:
             results[i], sums = sums[:len(cont_ids[i])], sums[len(cont_ids[i]):]
     return results
@@ -106,14 +105,14 @@ def complete(model, tok, prompts, batch_size, max_new_tokens, desc, n=1, tempera
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths together
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     texts = []
-    for b in tqdm(range(*cli.split(len(batches))), desc=desc, leave=False):  # torchrun: a share
+    for b in tqdm(range(*processes.split(len(batches))), desc=desc, leave=False):  # torchrun: a share
         first = None if seed is None else seed + b * batch_size * n
         outs = generate(model, tok, [prompts[i] for i in batches[b]], n=n, seed=first,
                         max_new_tokens=max_new_tokens, temperature=temperature,
                         stop=data.GSM8K_STOP)
         texts.append([r.text for r in outs])
     completions = {i: outs[k * n:(k + 1) * n]  # under torchrun, every process's batches
-                   for batch, outs in zip(batches, cli.joined(texts)) for k, i in enumerate(batch)}
+                   for batch, outs in zip(batches, processes.joined(texts)) for k, i in enumerate(batch)}
     return [completions[i] for i in range(len(prompts))]
 
 
@@ -122,7 +121,7 @@ def eval_gsm8k(model, tok, rows, train_rows, shots, batch_size, max_new_tokens):
     0 is the format RL, OPD and drift prompt with (the states the methods train on), 5
     lm-eval's."""
     if shots > len(train_rows):  # slicing would give fewer shots than asked, silently
-        raise M.InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train_rows)} "
+        raise InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train_rows)} "
                            f"examples; pass --gsm8k-fewshot {len(train_rows)} or fewer")
     prompts = data.gsm8k_fewshot_prompts([r["question"] for r in rows], train_rows, shots)
     completions = complete(model, tok, prompts, batch_size, max_new_tokens, f"gsm8k {shots}-shot")
@@ -171,7 +170,7 @@ def eval_mmlu(model, tok, data_dir, limit, shots, scoring, seed, batch_size):
     rows = data.mmlu_subset(test, limit, seed=seed)
     fewest, subject = min((len(dev.get(r["subject"], [])), r["subject"]) for r in rows)
     if shots > fewest:  # slicing would give that subject fewer shots than asked, silently
-        raise M.InputError(f"--mmlu-shots {shots}: the dev split holds {fewest} examples of "
+        raise InputError(f"--mmlu-shots {shots}: the dev split holds {fewest} examples of "
                            f"{subject}; pass --mmlu-shots {fewest} or fewer")
     prompts = [data.mmlu_prompt(r, dev.get(r["subject"], [])[:shots]) for r in rows]
     choices = [data.mmlu_continuations(r, scoring) for r in rows]
@@ -258,7 +257,7 @@ def paired_stderr(base_samples, post_samples, base_folder):
         if not base or not post:
             continue
         if base.keys() != post.keys() or any(base[i]["prompt"] != post[i]["prompt"] for i in post):
-            raise M.InputError(f"the base's answers in {base_folder} are to other {task} questions "
+            raise InputError(f"the base's answers in {base_folder} are to other {task} questions "
                                f"than this evaluation's; evaluate 'base' again with its flags")
         out[task] = standard_error([int(base[i]["correct"]) - int(post[i]["correct"])
                                     for i in sorted(post)])
@@ -363,8 +362,8 @@ def evaluate(model, tok, data_dir, tasks, gsm8k_limit, gsm8k_fewshot, samples, m
 
 def write_eval(folder, results, samples):
     os.makedirs(folder, exist_ok=True)
-    M.write_json(os.path.join(folder, "eval.json"), results)
-    M.write_atomic(os.path.join(folder, "eval_samples.jsonl"),
+    write_json(os.path.join(folder, "eval.json"), results)
+    write_atomic(os.path.join(folder, "eval_samples.jsonl"),
                    lambda p: open(p, "w").write("".join(json.dumps(s) + "\n" for s in samples)))
 
 
@@ -373,7 +372,7 @@ def with_other_tasks(folder, scores, samples, model, sha):
     of tasks this evaluation did not run, measured on the same model and adapter: evaluating
     one task again leaves the other tasks' numbers in place."""
     path, model = os.path.join(folder, "eval.json"), provenance.model_identity(model)
-    old = M.read_json(path) if os.path.isfile(path) else {}
+    old = read_json(path) if os.path.isfile(path) else {}
     prints = {k: v["fingerprint"] for k, v in old.items()
               if k not in scores and isinstance(v, dict) and "fingerprint" in v}
     kept = {k: old[k] for k, v in prints.items()
@@ -407,10 +406,10 @@ def main(argv=None):
     for run in folders:
         runs.check_run_folder(run, args.model, also=", or 'base'")
     if "base" in args.runs and os.path.isfile(os.path.join(args.out, "adapter_config.json")):
-        raise M.InputError(f"--out {args.out} is a run folder: the base's eval.json would replace "
+        raise InputError(f"--out {args.out} is a run folder: the base's eval.json would replace "
                            f"the run's; pass the folder that holds the runs (out, say)")
     base_path = os.path.join(args.out, "eval.json")
-    base = M.read_json(base_path) if args.runs[0] != "base" and os.path.isfile(base_path) else {}
+    base = read_json(base_path) if args.runs[0] != "base" and os.path.isfile(base_path) else {}
     cli.unless_given(args, defaults, provenance.measured_with(base), base_path)  # or base anew
     if base:
         retained = [t for t in RETENTION_TASKS if t in columns(vars(args))]
@@ -436,11 +435,11 @@ def main(argv=None):
                 result["fingerprint"] = provenance.fingerprint(column, vars(args), sha)
             scores, samples = with_other_tasks(folder, scores, samples, args.model, sha)
             if run != "base" and os.path.isfile(base_path):
-                base = retention_scores(M.read_json(base_path))
+                base = retention_scores(read_json(base_path))
                 scores["retention"] = retention(base, retention_scores(scores), paired_stderr(
                     read_samples(args.out), samples, args.out))
             scores["settings"] = {k: v for k, v in vars(args).items() if k != "runs"}
-            if not cli.RANK:  # under torchrun, one process writes
+            if not processes.RANK:  # under torchrun, one process writes
                 write_eval(folder, scores, samples)
             print(f"{run}: " + json.dumps({k: v for k, v in scores.items() if k != "settings"}))
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from files import InputError, read_json, read_safetensors_file, write_atomic, write_json
+from plumbing.files import InputError, read_json, read_safetensors_file, write_atomic, write_json
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 PEFT_PREFIX = "base_model.model."

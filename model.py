@@ -7,7 +7,7 @@ chunks, the tokenizer, and load()/save().
 Module names are Hugging Face's (model.layers.N.self_attn.q_proj, ...), so an official
 model.safetensors loads with load_state_dict and no name map, and LoRA keys match PEFT's.
 Numerics follow transformers' Qwen3ForCausalLM (tests/test_model.py checks the parity).
-Of the project it imports files.py alone: reading and writing files.
+Of the project it imports plumbing/files.py alone: reading and writing files.
 """
 import os
 from dataclasses import asdict, dataclass, fields
@@ -17,9 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from files import InputError, read_json, read_safetensors_file, write_atomic, write_json
-
-DEFAULT_MODEL = "Qwen/Qwen3-0.6B-Base"
+from plumbing.files import InputError, read_json, read_safetensors_file, write_atomic, write_json
 
 
 # -----------------------------------------------------------------------------
@@ -345,7 +343,7 @@ def model_folder(name_or_path, flag="--model"):
         return name_or_path
     if name_or_path.count("/") != 1 or name_or_path.startswith((".", "/")):
         raise InputError(f"{flag} {name_or_path!r} is neither a local folder nor a hub id like "
-                         f"{DEFAULT_MODEL!r}")
+                         "'Qwen/Qwen3-0.6B-Base'")
     from huggingface_hub import snapshot_download
     try:
         return snapshot_download(name_or_path, allow_patterns=HUB_FILES)
@@ -389,7 +387,7 @@ def load_weights(model, state, source):
     return model
 
 
-def load(name_or_path=DEFAULT_MODEL, device="cpu", dtype=None):
+def load(name_or_path, device="cpu", dtype=None):
     """(model, tokenizer) from a local folder or a hub id, in eval mode with every parameter
     frozen. dtype defaults to bf16 on CUDA and fp32 elsewhere."""
     device = torch.device(device)

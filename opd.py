@@ -32,13 +32,12 @@ import argparse
 import os
 from dataclasses import replace
 
-import cli
 import data
 import lora
 import model as M
 import rl
-import runs
 import train
+from plumbing import cli, processes, runs
 from sample import Rollout, generate, tokens_before_stop
 
 
@@ -125,7 +124,7 @@ def main(argv=None):
 
     for step in run.steps(model, optimizer, end, f"opd-{args.signal}"):
         picked = data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)
-        first, last = cli.split(len(picked), "--prompts-per-step")  # torchrun: this process's
+        first, last = processes.split(len(picked), "--prompts-per-step")  # torchrun: this process's
         batch, key = [rows[i] for i in picked[first:last]], (args.seed, step, first)
 
         # the state source: the student's own trajectories (or the teacher's, or the dataset's)

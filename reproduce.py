@@ -38,19 +38,16 @@ from concurrent import futures
 
 import torch
 
-import cli
 import data
 import drift
 import evaluate
-import frontier
 import model as M
 import opd
-import provenance
-import results
 import rl
-import runs
 import sft
-import toy
+from plumbing import cli, processes, provenance, runs
+from plumbing.files import InputError, read_json, write_json
+from study import frontier, organism, report
 
 SCRIPTS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
 PARSERS = {"sft": sft.parse_args, "rl": rl.parse_args, "opd": opd.parse_args}
@@ -121,7 +118,7 @@ def frontier_runs(out, seed=0, preset="toy"):
 TOY_EVAL = ["--gsm8k-fewshot", "0", "--mmlu-shots", "0", "--mmlu-scoring", "text",
             "--max-new-tokens", "96"]
 PRESETS = {
-    "paper": dict(model=M.DEFAULT_MODEL, train={}, eval=[], drift=[]),
+    "paper": dict(model=cli.DEFAULT_MODEL, train={}, eval=[], drift=[]),
     "smoke": dict(
         model=None,  # built on the spot
         train={"sft": ["--train-limit", "32", "--batch-size", "4", "--max-steps", "4"],
@@ -175,7 +172,7 @@ def build_smoke_model(folder, data_dir):
     os.makedirs(folder, exist_ok=True)
     rows = data.load_gsm8k("train", data_dir)[:2000]
     texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
-    tok_path = toy.train_tokenizer(texts, os.path.join(folder, "tokenizer.json"), vocab_size=512)
+    tok_path = organism.train_tokenizer(texts, os.path.join(folder, "tokenizer.json"), vocab_size=512)
     config = M.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -215,7 +212,7 @@ class Stages:
             self.ran += 1
             print(f"[finished] {name} in {seconds:.1f}s")
         if self.path:
-            M.write_json(self.path, self.timings)
+            write_json(self.path, self.timings)
 
 
 def run_conditions(stages, jobs, conditions, preset_name, out, model, common):
@@ -269,7 +266,7 @@ def chosen(conditions, names, out):
     known = sorted({runs.condition(name) for name in conditions})
     unknown = sorted(set(names) - set(known))
     if unknown:
-        raise runs.InputError(f"--conditions: no condition {', '.join(unknown)} in this study; "
+        raise InputError(f"--conditions: no condition {', '.join(unknown)} in this study; "
                               f"pick from {','.join(known)}")
     teacher, keep = teachers(conditions, out), [n for n in conditions if runs.condition(n) in names]
     for name in keep:  # grows as it goes: a teacher's own teacher comes too
@@ -328,12 +325,12 @@ def main(argv=None):
     args = p.parse_args(argv)
     on_cpu = cli.resolve_device(args.device)[0].type == "cpu"
     args.jobs = args.jobs or (min(4, torch.get_num_threads()) if on_cpu else 1)
-    if cli.WORLD > 1:  # every process would run the whole study and write the same files
-        raise runs.InputError("reproduce.py runs in one process; under torchrun, run the study's "
+    if processes.WORLD > 1:  # every process would run the whole study and write the same files
+        raise InputError("reproduce.py runs in one process; under torchrun, run the study's "
                               "scripts one by one (README: More than one GPU)")
     args.study = "frontier" if args.study == "pressure" else args.study  # its name before
     if args.study == "frontier" and args.preset not in FRONTIER:
-        raise runs.InputError(f"--study frontier is a toy study: pass --preset "
+        raise InputError(f"--study frontier is a toy study: pass --preset "
                               f"{' or '.join(FRONTIER)}")
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
     out = os.path.join(out, "frontier") if args.study == "frontier" and not args.out else out
@@ -347,8 +344,8 @@ def base_model(args, preset, out):
     reused), the preset's model, or a tiny random one (smoke)."""
     if preset["model"] == "toy":
         t0 = time.time()
-        toy_args = cli.parsed(cli.add_toy_args, preset["toy"])
-        data_dir, model = toy.pretrain(out, toy_args, None if args.pretrain else toy.SHIPPED)
+        toy_args = cli.parsed(organism.add_toy_args, preset["toy"])
+        data_dir, model = organism.pretrain(out, toy_args, None if args.pretrain else organism.SHIPPED)
         print(f"toy world and base model ready ({time.time() - t0:.0f}s)")
         return args.model or model, data_dir
     data_dir = data.resolve_data_dir(args.data_dir)
@@ -378,7 +375,7 @@ def study(args, preset, out):
     stages.run([("evaluate base", evaluated([out], model, base_eval),
                  lambda: evaluate.main(["base", "--out", out, *common, *base_eval]))])
     if args.preset == "toy":
-        toy.check_calibration(M.read_json(os.path.join(out, "eval.json")))
+        organism.check_calibration(read_json(os.path.join(out, "eval.json")))
     run_conditions(stages, args.jobs, conditions, args.preset, out, model, common)
     drift_settings = {**vars(cli.parsed(drift.add_drift_args, preset["drift"])), "model": model}
 
@@ -392,7 +389,7 @@ def study(args, preset, out):
     stages.run([("drift", lambda: not unmeasured(), lambda: drift.main(
         [*unmeasured(), "--out", out, *common, *preset["drift"], *rollout]))])
 
-    table = results.write_results(out, preset=args.preset, model=model, timings=stages.timings)
+    table = report.write_results(out, preset=args.preset, model=model, timings=stages.timings)
     print(table if args.study == "main" else frontier.write_report(out))
     took = ", ".join(f"{k} {v:.0f}" for k, v in stages.timings.items())
     print(f"time of each stage (s): {took}; together {sum(stages.timings.values()) / 60:.1f} min; "

@@ -22,11 +22,10 @@ import argparse
 
 import torch
 
-import cli
 import data
 import model as M
-import runs
 import train
+from plumbing import cli, processes, runs
 from sample import generate
 
 
@@ -92,7 +91,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
 
     for step in run.steps(model, optimizer, end, "rl"):
         picked = data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)
-        first, last = cli.split(len(picked), "--prompts-per-step")  # torchrun: this process's
+        first, last = processes.split(len(picked), "--prompts-per-step")  # torchrun: this process's
         batch = [rows[i] for i in picked[first:last]]
 
         # the state source: the current policy samples its own trajectories
@@ -123,7 +122,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
                                                  args.grad_clip)
 
         # each token's |trainer - sampler| log-prob gap (the last epoch's): its tail shows bf16's
-        p95 = torch.tensor(cli.joined(metrics.pop("gaps").tolist())).quantile(0.95).item()
+        p95 = torch.tensor(processes.joined(metrics.pop("gaps").tolist())).quantile(0.95).item()
         groups = torch.tensor(rewards).view(-1, args.group_size)
         # the states RL trains on are the policy's own: their NLL is that of its samples
         run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,

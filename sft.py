@@ -18,12 +18,12 @@ Presets (docs/paper.md): `mild` (ours: the paper gives none) and `stress` (the p
 import argparse
 import math
 
-import cli
 import data
 import lora
 import model as M
-import runs
 import train
+from plumbing import cli, processes, runs
+from plumbing.files import InputError
 from sample import generate, tokens_before_stop
 
 PRESETS = {"mild": dict(epochs=1, lr=1e-4, rank=16, alpha=32),
@@ -71,7 +71,7 @@ def main(argv=None):
     base_logp = {}  # example -> the base's log-probs of its answer: no step changes them
     for step in run.steps(model, optimizer, min(total, args.max_steps or total), "sft"):
         picked = data.batch_indices(len(examples), step, args.batch_size, args.seed)
-        picked = picked[slice(*cli.split(len(picked), "--batch-size"))]  # torchrun: a share
+        picked = picked[slice(*processes.split(len(picked), "--batch-size"))]  # torchrun: a share
         sequences, starts = [examples[i][0] for i in picked], [examples[i][1] for i in picked]
 
         # the signal: the gold next token at every state of the answer
@@ -100,7 +100,7 @@ def right_samples(model, tok, rows, n, max_new_tokens, seed):
     right = [r for r in drawn if data.is_correct(r.text, rows[r.prompt_index]["gold"])]  # RL's
     print(f"--answers samples: {len(right)} of {len(drawn)} samples right")
     if not right:
-        raise M.InputError("no sample of the base is right; raise --samples-per-prompt")
+        raise InputError("no sample of the base is right; raise --samples-per-prompt")
     answers = [tokens_before_stop(tok, r.completion_ids, data.GSM8K_STOP) for r in right]
     return [(r.prompt_ids, [t for t in a if t != tok.eos_id] + [tok.eos_id])
             for r, a in zip(right, answers)]

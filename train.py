@@ -25,8 +25,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-import cli
 import lora
+from plumbing import processes
 
 # tokens a sequence must share with a row to be laid out in it beyond the longest's length
 SHARED_MIN = 16
@@ -239,7 +239,7 @@ def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_seque
     by the step's tokens over every process, so the gradients add up to the token mean of the
     whole step whatever the split and the number of processes. Returns (the loss's token mean,
     each metric's token mean or joined tensor, the step's tokens)."""
-    n_tokens = cli.summed(sum(len(s) - start for s, start in zip(sequences, starts)))[0]
+    n_tokens = processes.summed(sum(len(s) - start for s, start in zip(sequences, starts)))[0]
     loss_sum, sums, parts = 0.0, {}, {}
     for part in micro_batches(list(map(len, sequences)), grad_accum, max_tokens):
         shares = {k: torch.cat([v[i] for i in part]) for k, v in per_sequence.items()}
@@ -251,7 +251,7 @@ def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_seque
                 parts.setdefault(k, []).append(v)
             else:
                 sums[k] = sums.get(k, 0.0) + float(v)
-    loss_sum, *values = cli.summed(loss_sum, *sums.values())  # every process's share
+    loss_sum, *values = processes.summed(loss_sum, *sums.values())  # every process's share
     means = {k: v / n_tokens for k, v in zip(sums, values)}
     joined = {k: torch.cat(v) for k, v in parts.items()}
     return loss_sum / n_tokens, {**means, **joined}, n_tokens
@@ -274,7 +274,7 @@ def optimizer_step(optimizer, step, total_steps, peak_lr, warmup=0.0, grad_clip=
         group["lr"] = lr
     params = [p for group in optimizer.param_groups for p in group["params"]]
     # each process divided its loss by the whole step's tokens: the sum is the step's gradient
-    if cli.WORLD > 1:
+    if processes.WORLD > 1:
         for p in params:
             p.grad = p.grad if p.grad is not None else torch.zeros_like(p)
             dist.all_reduce(p.grad)

@@ -11,8 +11,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import cli  # noqa: E402
 import model as M  # noqa: E402
+from plumbing import cli  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "tests", "qwen3-0.6b-base")  # Qwen3-0.6B-Base's config.json
 

@@ -19,9 +19,9 @@ import time
 import torch
 
 from common import ROOT, ratio
-import cli  # noqa: E402  (common put the repository on the path)
-import reproduce  # noqa: E402
-import toy  # noqa: E402
+import reproduce  # noqa: E402  (common put the repository on the path)
+from plumbing import cli  # noqa: E402
+from study import organism  # noqa: E402
 
 
 def runs(out, model, data_dir, pair, sft_steps, rl_steps):
@@ -62,7 +62,7 @@ def main():
                    "of unequal runs measures, side by side, the wait for the longer)")
     args = p.parse_args()
     # the world and the shipped base: a second
-    data_dir, model = toy.pretrain(args.out, cli.parsed(cli.add_toy_args, []))
+    data_dir, model = organism.pretrain(args.out, cli.parsed(organism.add_toy_args, []))
     threads = torch.get_num_threads()  # as reproduce.py shares them out
     print(f"{threads} threads; side by side: 2 runs of {max(1, threads // 2)} each", flush=True)
     rounds = []

@@ -13,6 +13,7 @@ import data  # noqa: E402
 import opd  # noqa: E402
 import rl  # noqa: E402
 import sft  # noqa: E402
+from study import organism
 
 # $STATES_DATA if set; else the offline copies beside the repository; else fetched once into the cache
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
@@ -70,7 +71,7 @@ def randomize_adapter(model, name="default", seed=0, scale=0.1):
 def hold_in_another_process(folder):
     """A process that holds folder (runs.hold) until it is killed."""
     import subprocess
-    code = "import sys; sys.path.insert(0, sys.argv[1]); import runs; runs.hold(sys.argv[2]); print('held', flush=True); " \
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from plumbing import runs; runs.hold(sys.argv[2]); print('held', flush=True); " \
            "sys.stdin.read()"
     holder = subprocess.Popen([sys.executable, "-c", code, ROOT, folder], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)
@@ -115,8 +116,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tokenizer_path(workdir, data_dir):
-    import toy
-    return toy.train_tokenizer(gsm8k_texts(), str(workdir / "tokenizer.json"), vocab_size=384, split_digits=False)
+    return organism.train_tokenizer(gsm8k_texts(), str(workdir / "tokenizer.json"), vocab_size=384, split_digits=False)
 
 
 @pytest.fixture(scope="session")

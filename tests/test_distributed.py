@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-import cli
 import drift
 import evaluate
-import runs
 from conftest import MAINS, ROOT, adapter_tensors, common, read_log
+from plumbing import processes, runs
+from plumbing.files import InputError
 
 
 def torchrun(*argv, **env):
@@ -93,9 +93,9 @@ def test_the_process_group_is_taken_down_before_the_interpreter_exits():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = ("import atexit, sys, torch, torch.distributed as dist; sys.path.insert(0, sys.argv[1]); import cli; "
+    code = ("import atexit, sys, torch, torch.distributed as dist; sys.path.insert(0, sys.argv[1]); from plumbing import processes; "
             "atexit.register(lambda: print('joined' if dist.is_initialized() else 'left', flush=True)); "
-            "cli.WORLD = 2; cli.join_processes(torch.device('cpu')); dist.all_reduce(torch.ones(1))")
+            "processes.WORLD = 2; processes.join_processes(torch.device('cpu')); dist.all_reduce(torch.ones(1))")
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1"}
     r = subprocess.run([sys.executable, "-c", code, ROOT], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split()[-1:] == ["left"], r.stdout + r.stderr[-2000:]
@@ -157,19 +157,19 @@ def flat(d, prefix=""):
 
 
 def test_a_batch_that_does_not_split_over_the_processes_is_one_line(tiny_model, data_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "WORLD", 2)
-    with pytest.raises(runs.InputError, match="--prompts-per-step 3 does not split evenly over 2 processes; pass a "
+    monkeypatch.setattr(processes, "WORLD", 2)
+    with pytest.raises(InputError, match="--prompts-per-step 3 does not split evenly over 2 processes; pass a "
                                               "multiple of 2, or run fewer processes"):
-        cli.split(3, "--prompts-per-step")
-    assert cli.split(5) == (0, 2)  # evaluation's batches need not split evenly
-    monkeypatch.setattr(cli, "RANK", 1)
-    assert cli.split(5) == (2, 5) and cli.split(4, "--batch-size") == (2, 4)
+        processes.split(3, "--prompts-per-step")
+    assert processes.split(5) == (0, 2)  # evaluation's batches need not split evenly
+    monkeypatch.setattr(processes, "RANK", 1)
+    assert processes.split(5) == (2, 5) and processes.split(4, "--batch-size") == (2, 4)
     monkeypatch.undo()
     r = launch("rl", *common(tiny_model, data_dir, tmp_path / "rl", *FLAGS["rl"][:1], 1, *FLAGS["rl"][2:]))
     assert r.returncode != 0
     assert "error: --prompts-per-step 1 does not split evenly over 2 processes; pass a multiple of 2" in r.stderr
     assert not os.path.exists(tmp_path / "rl")  # nothing that looks like a run is left
-    monkeypatch.setattr(cli, "WORLD", 2)
+    monkeypatch.setattr(processes, "WORLD", 2)
     import reproduce
-    with pytest.raises(runs.InputError, match="reproduce.py runs in one process; under torchrun, run the study's"):
+    with pytest.raises(InputError, match="reproduce.py runs in one process; under torchrun, run the study's"):
         reproduce.main(["--out", str(tmp_path / "study")])

@@ -13,11 +13,12 @@ import data
 import drift
 import evaluate as E
 import lora
-import results
 import model as M
-import provenance
 from conftest import DEVICES, ROOT
+from plumbing import provenance
+from plumbing.files import InputError
 from sample import generate
+from study import report
 
 
 def brute_force(ref, tok, context, continuation):
@@ -89,9 +90,9 @@ def test_mc2_score():
 
 
 def test_retention_math_reproduces_table2():
-    base = results.PAPER["base"]
+    base = report.PAPER["base"]
     for run in ("mild", "stress", "opd-mild", "opd-stress", "rl"):
-        paper = results.PAPER[run]
+        paper = report.PAPER[run]
         r = E.retention({"truthfulqa": base["truthfulqa"], "mmlu": base["mmlu"]},
                         {"truthfulqa": paper["truthfulqa"], "mmlu": paper["mmlu"]})
         assert abs(r["forgetting"] - paper["forgetting"]) < 5e-4, run
@@ -118,7 +119,7 @@ def test_forgettings_standard_error_pairs_each_question_with_the_base_answer():
     assert abs(got["forgetting_stderr"] - np.hypot(mmlu_se, tqa_se) / 2) < 1e-15  # the mean of two independent tasks
     assert got["per_task"]["mmlu"]["forgetting_stderr"] == errors["mmlu"]
     assert "forgetting_stderr" not in E.retention({"mmlu": 0.6}, {"mmlu": 0.5})  # no answers to pair: no error
-    with pytest.raises(M.InputError, match="the base's answers in out are to other mmlu questions than this evaluation's"):
+    with pytest.raises(InputError, match="the base's answers in out are to other mmlu questions than this evaluation's"):
         E.paired_stderr(samples("mmlu", base_mmlu, "ab"), samples("mmlu", post_mmlu, "ac"), "out")
 
 
@@ -137,14 +138,14 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
                                                         for t in ("mmlu", "truthfulqa")}))
     base_scored()
     flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)]
-    with pytest.raises(M.InputError, match="eval.json scored mmlu with --mmlu-limit 500, this evaluation with 8; "
+    with pytest.raises(InputError, match="eval.json scored mmlu with --mmlu-limit 500, this evaluation with 8; "
                                            "forgetting compares a run with its base on the same questions"):
         E.main([str(run), "--mmlu-limit", "8", *flags])  # before any model is loaded
-    with pytest.raises(M.InputError, match="with --mmlu-scoring letter, this evaluation with text"):
+    with pytest.raises(InputError, match="with --mmlu-scoring letter, this evaluation with text"):
         E.main([str(run), "--mmlu-scoring", "text", *flags])
-    with pytest.raises(M.InputError, match="with --seed 1234, this evaluation with 7"):  # another subset of 500
+    with pytest.raises(InputError, match="with --seed 1234, this evaluation with 7"):  # another subset of 500
         E.main([str(run), "--seed", "7", *flags])
-    with pytest.raises(M.InputError, match="scored truthfulqa with --truthfulqa-limit 0, this evaluation with 5"):
+    with pytest.raises(InputError, match="scored truthfulqa with --truthfulqa-limit 0, this evaluation with 5"):
         E.main([str(run), "--mmlu-limit", "500", "--truthfulqa-limit", "5", *flags])
     base_scored(mmlu_limit=0)  # every MMLU question: the seed decides none of them
     provenance.check_measured_alike(str(tmp_path / "eval.json"), ["mmlu", "truthfulqa"], {**base, "mmlu_limit": 0, "seed": 7})
@@ -152,12 +153,12 @@ def test_a_run_is_not_compared_with_a_base_scored_on_other_questions(tiny_model,
     other = tmp_path / "other-base"
     other.mkdir()
     base_scored(model=str(other))
-    with pytest.raises(M.InputError, match=f"scored truthfulqa with --model {other}, this evaluation with "
+    with pytest.raises(InputError, match=f"scored truthfulqa with --model {other}, this evaluation with "
                                            f"{os.path.realpath(tiny_model)}"):
         E.main([str(run), "--mmlu-limit", "500", *flags])
     # the same folder spelt another way is the same base: the questions are checked next
     base_scored(model=tiny_model + "/")
-    with pytest.raises(M.InputError, match="with --mmlu-limit 500, this evaluation with 8"):
+    with pytest.raises(InputError, match="with --mmlu-limit 500, this evaluation with 8"):
         E.main([str(run), "--mmlu-limit", "8", *flags])
 
 
@@ -185,7 +186,7 @@ def test_a_run_is_scored_as_its_studys_base_was_unless_a_flag_says_otherwise(tin
     for column in ("gsm8k", "mmlu", "truthfulqa"):
         assert {**result[column]["fingerprint"], "adapter_sha256": None} == base[column]["fingerprint"]
     assert result["retention"]["forgetting"] == 0.0  # an adapter of zeros: the base, question for question
-    with pytest.raises(M.InputError, match="with --mmlu-shots 0, this evaluation with 1"):
+    with pytest.raises(InputError, match="with --mmlu-shots 0, this evaluation with 1"):
         E.main([str(run), *flags, "--mmlu-shots", "1"])  # a flag given still wins
 
 
@@ -197,7 +198,7 @@ def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path,
     lora.save_adapter(m, str(run))
     (run / "run.json").write_text(json.dumps({"model": tiny_models["untied"]}))
     for main in (E.main, drift.main):
-        with pytest.raises(M.InputError, match="stress was trained on base .*untied, but --model is .*tied; pass --model"):
+        with pytest.raises(InputError, match="stress was trained on base .*untied, but --model is .*tied; pass --model"):
             main([str(run), "--model", tiny_models["tied"], "--data-dir", str(data_dir), "--out", str(tmp_path)])
 
     def trained_on(model):
@@ -205,7 +206,7 @@ def test_a_run_is_measured_only_on_its_own_base(tiny_models, data_dir, tmp_path,
         return str(run)
     provenance.check_same_base(trained_on(tiny_models["tied"] + "/."), tiny_models["tied"])  # one folder, two spellings
     provenance.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-0.6B-Base")
-    with pytest.raises(M.InputError, match="trained on base Qwen/Qwen3-0.6B-Base, but --model is Qwen/Qwen3-1.7B-Base"):
+    with pytest.raises(InputError, match="trained on base Qwen/Qwen3-0.6B-Base, but --model is Qwen/Qwen3-1.7B-Base"):
         provenance.check_same_base(trained_on("Qwen/Qwen3-0.6B-Base"), "Qwen/Qwen3-1.7B-Base")
     capsys.readouterr()
     provenance.check_same_base(trained_on(str(tmp_path / "moved" / "base-model")), tiny_models["tied"])  # a study moved since
@@ -303,7 +304,7 @@ def test_evaluate_cli_end_to_end(tiny_model, data_dir, tmp_path, device):
 
 
 def test_more_mmlu_shots_than_the_dev_split_holds_is_an_input_error(data_dir, monkeypatch):
-    with pytest.raises(M.InputError, match=r"--mmlu-shots 6: the dev split holds 5 examples of \w+; pass --mmlu-shots 5"):
+    with pytest.raises(InputError, match=r"--mmlu-shots 6: the dev split holds 5 examples of \w+; pass --mmlu-shots 5"):
         E.eval_mmlu(None, None, data_dir, 8, 6, "letter", 1234, 16)  # raised before any model is needed
     # five, the default and all the dev split holds, is taken: every prompt gets its subject's five examples
     prompts = []
@@ -341,11 +342,11 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
     assert f"note: no base evaluation {tmp_path}/eval.json, so no forgetting" in capsys.readouterr().out
     assert "retention" not in json.loads((run / "eval.json").read_text())
     before = (run / "eval.json").read_text()
-    with pytest.raises(M.InputError, match=f"--out {run} is a run folder: the base's eval.json would replace the run's"):
+    with pytest.raises(InputError, match=f"--out {run} is a run folder: the base's eval.json would replace the run's"):
         E.main(["base", *flags[:4], "--out", str(run), *flags[6:]])
     assert (run / "eval.json").read_text() == before
     train_size = len(data.load_gsm8k("train", data_dir))
-    with pytest.raises(M.InputError, match=f"--gsm8k-fewshot {train_size + 1}: the train split holds {train_size} "):
+    with pytest.raises(InputError, match=f"--gsm8k-fewshot {train_size + 1}: the train split holds {train_size} "):
         E.main(["base", *flags[:-6], "--tasks", "gsm8k", "--gsm8k-fewshot", str(train_size + 1)])
 
 

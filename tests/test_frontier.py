@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-import frontier
 import reproduce
 from conftest import ROOT
+from study import frontier
 
 
 def arm(*pairs):

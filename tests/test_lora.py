@@ -5,6 +5,7 @@ import lora
 import model as M
 import train
 from conftest import DEVICES, randomize_adapter
+from plumbing.files import InputError
 
 
 def peft_model(folder, adapter=None, r=4, alpha=8):
@@ -149,12 +150,12 @@ def test_adapter_for_other_base_is_a_one_line_error(tiny_models, tmp_path):
     lora.add_lora(other, rank=4, alpha=8)
     lora.save_adapter(other, str(tmp_path / "other"))
     ours, _ = M.load(tiny_models["tied"])
-    with pytest.raises(M.InputError, match="another base model") as e:
+    with pytest.raises(InputError, match="another base model") as e:
         lora.load_adapter(ours, str(tmp_path / "other"))
     assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="not allowed"):
         lora.add_lora(ours, rank=2, alpha=2, name="keys")
-    with pytest.raises(M.InputError, match="no adapter_config.json \\+ adapter_model.safetensors; is this a run folder"):
+    with pytest.raises(InputError, match="no adapter_config.json \\+ adapter_model.safetensors; is this a run folder"):
         lora.load_adapter(ours, str(tmp_path / "nothing"))
 
 
@@ -196,7 +197,7 @@ def test_adapters_that_are_not_plain_lora_of_this_base_are_one_line_errors(tiny_
               (edited, "adapter_config.json is not valid JSON")]
     for folder, message in cases:
         fresh, _ = M.load(tiny_model)
-        with pytest.raises(M.InputError, match=message) as e:
+        with pytest.raises(InputError, match=message) as e:
             lora.load_adapter(fresh, folder)
         assert "\n" not in str(e.value), folder
     fresh, _ = M.load(tiny_model)
@@ -276,5 +277,5 @@ def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_p
     from safetensors.torch import load_file, save_file
     path = str(tmp_path / "ours" / "adapter_model.safetensors")
     save_file({k: v for k, v in load_file(path).items() if "layers.1.mlp.up_proj.lora_B" not in k}, path)
-    with pytest.raises(M.InputError, match="up_proj.lora_A.weight has no lora_B beside it"):
+    with pytest.raises(InputError, match="up_proj.lora_A.weight has no lora_B beside it"):
         lora.update_norm(str(tmp_path / "ours"))

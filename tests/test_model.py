@@ -10,9 +10,10 @@ import torch
 
 import model as M
 import train
+from plumbing.files import InputError
+from sample import left_pad
 from conftest import (DEVICES, OFFICIAL_CONFIG, ROOT, TINY_CONFIGS, our_model, randomize_adapter, save_hf_model,
                       two_sequences)
-from sample import left_pad
 
 
 def hf_model(folder, dtype=torch.float32):
@@ -202,7 +203,7 @@ def test_transformers5_config_style():
     raw["rope_parameters"] = {"rope_theta": theta, "rope_type": "default"}
     assert M.Qwen3Config.from_dict(raw).rope_theta == theta
     del raw["rope_parameters"]
-    with pytest.raises(M.InputError, match="missing field.*rope_theta"):
+    with pytest.raises(InputError, match="missing field.*rope_theta"):
         M.Qwen3Config.from_dict(raw)
 
 
@@ -214,7 +215,7 @@ def test_transformers5_config_style():
 ])
 def test_configs_of_other_models_are_refused_by_name(change, message):
     raw = official_config()
-    with pytest.raises(M.InputError, match=message):
+    with pytest.raises(InputError, match=message):
         M.Qwen3Config.from_dict({**raw, **change})
     # the official config passes, and of several stop ids the first is end-of-text
     assert M.Qwen3Config.from_dict({**raw, "eos_token_id": [7, 9]}).eos_token_id == 7
@@ -229,7 +230,7 @@ def test_bad_inputs_give_one_line_errors(tiny_model, tmp_path):
     from safetensors.torch import load_file, save_file
 
     def refused(folder, pattern):
-        with pytest.raises(M.InputError, match=pattern) as e:
+        with pytest.raises(InputError, match=pattern) as e:
             M.load(folder)
         assert "\n" not in str(e.value)
 
@@ -286,12 +287,12 @@ def test_a_hub_id_that_cannot_be_fetched_is_a_one_line_error(monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("Cannot reach the hub.\nCheck your internet connection\n  and try again.")
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
-    with pytest.raises(M.InputError, match=r"could not fetch 'Qwen/Qwen3-0.6B-Base' .*Cannot reach the hub. Check your "
+    with pytest.raises(InputError, match=r"could not fetch 'Qwen/Qwen3-0.6B-Base' .*Cannot reach the hub. Check your "
                                            r"internet connection and try again.*no local folder of that name"
                                            r".*pass its folder with --model") as e:
         M.model_folder("Qwen/Qwen3-0.6B-Base")
     assert "\n" not in str(e.value)
-    with pytest.raises(M.InputError, match=r"could not fetch 'out/stres'.*pass its folder with --teacher$"):
+    with pytest.raises(InputError, match=r"could not fetch 'out/stres'.*pass its folder with --teacher$"):
         M.model_folder("out/stres", "--teacher")
 
 
@@ -336,13 +337,15 @@ def test_recompute_gives_the_same_gradients_and_keeps_less(tiny_model):
 
 
 def test_importing_the_model_imports_nothing_else_of_the_project_but_its_file_helpers():
-    """model.py and files.py (reading and writing files) stand alone: a reader needs no other module."""
-    project = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")}
+    """model.py and plumbing/files.py (reading and writing files) stand alone: a reader needs no other module."""
+    packages = ("plumbing", "study")
+    project = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")} | set(packages) | {
+        f"{p}.{f[:-3]}" for p in packages for f in os.listdir(os.path.join(ROOT, p)) if f.endswith(".py")}
     code = ("import sys, model, torch; m = model.Qwen3; print(' '.join(sorted(sys.modules)))")
     loaded = set(subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                                 check=True).stdout.split())
-    assert "model" in loaded and (loaded & project) - {"model"} == {"files"}
-    for name, allowed in (("model.py", {"files"}), ("files.py", set())):  # nor later, inside a function
+    assert "model" in loaded and (loaded & project) - {"model"} == {"plumbing", "plumbing.files"}
+    for name, allowed in (("model.py", {"plumbing.files"}), ("plumbing/files.py", set())):  # nor inside a function
         with open(os.path.join(ROOT, name)) as f:
-            imported = set(re.findall(r"^\s*(?:import|from) (\w+)", f.read(), re.M))
-        assert imported and imported & project == allowed, name
+            imported = set(re.findall(r"^\s*(?:import|from) ([\w.]+)", f.read(), re.M))
+        assert imported & project == allowed, name

@@ -7,18 +7,18 @@ import sys
 import pytest
 import torch
 
-import cli
 import data
 import lora
 import model as M
-import provenance
 import opd
 import rl
-import runs
 import sft
 import train
 from conftest import adapter_tensors, common, randomize_adapter, read_log, write_fixed_answer_data
+from plumbing import cli, provenance, runs
+from plumbing.files import InputError
 from sample import find_stop, tokens_before_stop
+from study import organism
 
 
 def split_at_starts(calls):
@@ -121,7 +121,7 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     opd.main([*distil, "--max-steps", "2", "--resume"])  # the same teacher: resumes
     sft.main([*train_teacher, "--max-steps", "2", "--resume"])
     assert provenance.teacher_changed(str(student))
-    with pytest.raises(M.InputError, match=f"{student} was distilled from another adapter than {teacher} holds now"):
+    with pytest.raises(InputError, match=f"{student} was distilled from another adapter than {teacher} holds now"):
         opd.main([*distil, "--resume"])
     assert len(read_log(student)) == 2
     # a teacher given as a model folder has no adapter to change
@@ -366,10 +366,9 @@ def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkey
     assert len(lines) == 1 and f"pass --model {tiny_models['untied']}" in lines[0]
     # a model folder as the teacher, of another tokenizer: the same shapes, so only the vocabulary tells
     import shutil
-    import toy
     retokenized = tmp_path / "retokenized"
     shutil.copytree(tiny_models["tied"], retokenized)
-    toy.train_tokenizer(["Question: how many apples?\nAnswer: 12 apples."] * 20, str(retokenized / "tokenizer.json"),
+    organism.train_tokenizer(["Question: how many apples?\nAnswer: 12 apples."] * 20, str(retokenized / "tokenizer.json"),
                         vocab_size=300)
     lines = run(retokenized, tiny_models["tied"])
     assert len(lines) == 1 and "has another tokenizer or vocabulary than --model" in lines[0], lines
@@ -417,7 +416,7 @@ def test_the_sampled_signal_averages_to_the_reverse_kl_gradient_of_the_logit_sig
 
 def test_a_state_source_that_is_neither_a_source_nor_a_mixture_is_refused_in_one_line(tiny_model, data_dir, tmp_path):
     for bad in ("students", "student=0.5,teacher=0.4"):
-        with pytest.raises(M.InputError, match=f"--state-source '{bad}': give student, teacher or data, or weights"):
+        with pytest.raises(InputError, match=f"--state-source '{bad}': give student, teacher or data, or weights"):
             opd.main(common(tiny_model, data_dir, tmp_path / "x", "--teacher", tiny_model, "--state-source", bad))
     assert not (tmp_path / "x").exists()  # refused before anything was made
 
@@ -429,7 +428,7 @@ def test_a_state_source_mixture_draws_each_prompts_source_by_its_place_in_the_st
     assert cli.mixture("teacher", SOURCES, "--state-source") == {"teacher": 1.0}
     assert cli.mixture("student=0.25, data=0.75", SOURCES, "--state-source") == {"student": 0.25, "data": 0.75}
     for bad in ("students", "student=0.5,data=0.6", "student=x", "student=0.5=1", "data=-0.5,student=1.5", "student=nan,data=nan"):
-        with pytest.raises(M.InputError, match=r"--state-source .*: give student, teacher or data, or weights of them "
+        with pytest.raises(InputError, match=r"--state-source .*: give student, teacher or data, or weights of them "
                                                r"that sum to 1, e\.g\. student=0\.25,data=0\.75"):
             cli.mixture(bad, SOURCES, "--state-source")
     weights = {"student": 0.25, "data": 0.75}

@@ -2,8 +2,7 @@
 the other verdicts where its numbers or its precondition change."""
 import math
 
-import readings
-import results as R
+from study import readings, report as R
 
 # three seeds a condition, each seed's readings.METRICS: (gsm8k, forgetting, retention,
 # update norm, state distance)

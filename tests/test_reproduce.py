@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from conftest import ROOT, hold_in_another_process
+from plumbing.files import InputError
 
 RUNS = ["base", "mild", "stress", "opd-mild", "opd-stress", "kd-stress", "opd-logits", "opd-sampled", "rl",
         "degraded", "opd-degraded", "kd-degraded"]
@@ -138,7 +139,6 @@ def test_each_seed_trains_its_own_conditions_from_its_own_teachers():
 
 def test_conditions_picks_those_named_on_every_seed_with_the_runs_they_learn_from():
     import reproduce
-    import runs
     both = {**reproduce.runs_of("out"), **reproduce.runs_of("out", seed=1)}
     assert list(reproduce.chosen(both, ["opd-mild", "rl"], "out")) == [
         "mild", "opd-mild", "rl", "mild-seed1", "opd-mild-seed1", "rl-seed1"]
@@ -146,18 +146,17 @@ def test_conditions_picks_those_named_on_every_seed_with_the_runs_they_learn_fro
         "degraded", "kd-degraded", "degraded-seed1", "kd-degraded-seed1"]
     frontier = reproduce.frontier_runs("out")  # an OPD arm learns from the rl arm at its first rate
     assert list(reproduce.chosen(frontier, ["opd-student-lr0.003"], "out")) == ["rl-lr0.0003", "opd-student-lr0.003"]
-    with pytest.raises(runs.InputError, match=r"--conditions: no condition opd, sft-seed1 in this study; pick "
+    with pytest.raises(InputError, match=r"--conditions: no condition opd, sft-seed1 in this study; pick "
                                               r"from degraded,kd-degraded,kd-stress,mild,"):
         reproduce.chosen(both, ["sft-seed1", "mild", "opd"], "out")
 
 
 def test_a_study_of_some_conditions_trains_those_and_their_teachers_alone(data_dir, tmp_path, monkeypatch):
     import reproduce
-    import runs
     monkeypatch.setitem(reproduce.PRESETS["smoke"], "eval", ["--tasks", "gsm8k", "--gsm8k-limit", "2", "--gsm8k-fewshot",
                                                             "0", "--max-new-tokens", "4"])
     study = ["--preset", "smoke", "--data-dir", data_dir, "--jobs", "1", "--out", str(tmp_path)]
-    with pytest.raises(runs.InputError, match="no condition sft in this study"):  # before any stage
+    with pytest.raises(InputError, match="no condition sft in this study"):  # before any stage
         reproduce.main([*study, "--conditions", "sft"])
     assert os.listdir(tmp_path) == [".lock"]
     reproduce.main([*study, "--conditions", "opd-mild"])

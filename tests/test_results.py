@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 
 import drift
-import figures
+import results
 import evaluate as E
-import model as M
-import provenance
-import results as R
 from conftest import DEVICES
+from plumbing import provenance
+from plumbing.files import InputError
+from study import figures, report as R
 
 
 def evaluated(folder, settings):
@@ -79,8 +79,8 @@ def test_drift_against_forgetting_correlations():
 
 
 def test_a_table_without_evaluations_or_a_call_without_runs_says_what_to_do(tmp_path, capsys):
-    with pytest.raises(M.InputError, match=f"no eval.json in {tmp_path} or its run folders; run `python evaluate.py base"):
-        R.main([str(tmp_path)])
+    with pytest.raises(InputError, match=f"no eval.json in {tmp_path} or its run folders; run `python evaluate.py base"):
+        results.main([str(tmp_path)])
     with pytest.raises(SystemExit):
         E.main(["--model", str(tmp_path / "no-model")])
     assert "name 'base' and/or run folders to evaluate (the table of a study: python results.py ROOT)" in \
@@ -168,17 +168,17 @@ def test_a_run_trained_after_its_evaluation_stops_the_table_until_it_is_measured
     sft.main([*train, "--max-steps", "2", "--resume"])
     assert not evaluated(str(run), eval_args) and not drifted()
     stale = f"{run}'s mmlu was measured on another adapter than the one there now (trained since"
-    with pytest.raises(M.InputError, match=re.escape(stale) + ".*; measure it again: python evaluate.py " + str(run)):
+    with pytest.raises(InputError, match=re.escape(stale) + ".*; measure it again: python evaluate.py " + str(run)):
         R.write_results(str(out))
     E.main([str(run), *flags])
-    with pytest.raises(M.InputError, match=re.escape(f"{run}'s drift was measured on another adapter")):
+    with pytest.raises(InputError, match=re.escape(f"{run}'s drift was measured on another adapter")):
         R.write_results(str(out))
     drift.main([str(run), *drift_flags])
     assert evaluated(str(run), eval_args) and drifted()
     assert "| stress |" in R.write_results(str(out))
     # the base evaluated again on other questions: the run's forgetting is against the old ones
     E.main(["base", *flags[:-6], "--mmlu-limit", "3", "--mmlu-shots", "0", "--batch-size", "4"])
-    with pytest.raises(M.InputError, match="^stress's mmlu was measured with --mmlu-limit 4, base's with 3; evaluate"):
+    with pytest.raises(InputError, match="^stress's mmlu was measured with --mmlu-limit 4, base's with 3; evaluate"):
         R.write_results(str(out))
 
 
@@ -220,20 +220,20 @@ def test_rows_measured_with_other_flags_in_one_column_stop_the_table(tmp_path):
     write("base", settings)
 
     write("rl", dict(settings, gsm8k_limit=100))
-    with pytest.raises(M.InputError, match=r"^rl's gsm8k was measured with --gsm8k-limit 100, base's with 500; evaluate both "
+    with pytest.raises(InputError, match=r"^rl's gsm8k was measured with --gsm8k-limit 100, base's with 500; evaluate both "
                                            r"with the same flags to put them in one table$"):
         R.collect_runs(str(tmp_path))
     write("rl", dict(settings, mmlu_limit=100), tasks=("mmlu",))
-    with pytest.raises(M.InputError, match=r"^rl's mmlu was measured with --mmlu-limit 100, base's with 0"):
+    with pytest.raises(InputError, match=r"^rl's mmlu was measured with --mmlu-limit 100, base's with 0"):
         R.collect_runs(str(tmp_path))
     write("rl", settings, drift_settings=dict(lexical, stride=8))
-    with pytest.raises(M.InputError, match=r"^rl's drift was measured with --stride 8, mild's with 16; measure both"):
+    with pytest.raises(InputError, match=r"^rl's drift was measured with --stride 8, mild's with 16; measure both"):
         R.collect_runs(str(tmp_path))
     write("rl", settings, drift_settings=dict(lexical, features="hidden"))
-    with pytest.raises(M.InputError, match=r"^rl's drift was measured with --features hidden, mild's with lexical"):
+    with pytest.raises(InputError, match=r"^rl's drift was measured with --features hidden, mild's with lexical"):
         R.collect_runs(str(tmp_path))
     write("rl", settings, drift_settings=dict(lexical, model="other"))
-    with pytest.raises(M.InputError, match=r"^rl's drift was measured with --model other, mild's with m"):
+    with pytest.raises(InputError, match=r"^rl's drift was measured with --model other, mild's with m"):
         R.collect_runs(str(tmp_path))
 
 
@@ -245,7 +245,7 @@ def test_a_table_of_a_folder_that_holds_studies_names_them(tmp_path, capsys):
             (folder / run).mkdir()
             (folder / run / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.6}}))
     study(tmp_path / "out" / "toy", ["mild", "stress"])
-    with pytest.raises(M.InputError, match=f"the studies under it: {tmp_path / 'out' / 'toy'} \\(pass one of them\\)"):
+    with pytest.raises(InputError, match=f"the studies under it: {tmp_path / 'out' / 'toy'} \\(pass one of them\\)"):
         R.write_results(str(tmp_path / "out"))
     # a study of its own beside them: its rows, and a note naming the one under it
     (tmp_path / "out" / "eval.json").write_text(json.dumps({"gsm8k": {"flexible": 0.4}}))
@@ -296,7 +296,7 @@ def test_training_curves_merge_seeds_into_a_mean_and_a_band_and_figures_stay_opt
     for name, records in (("stress", logs[0]), ("stress-seed1", logs[1]), ("rl", logs[1])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    R.main(["--curves", *(str(tmp_path / n) for n in ("stress", "stress-seed1", "rl"))])
+    results.main(["--curves", *(str(tmp_path / n) for n in ("stress", "stress-seed1", "rl"))])
     assert (tmp_path / "curves.png").stat().st_size > 1000 and f"curves in {tmp_path / 'curves.png'}" in capsys.readouterr().out
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # not installed: one line says how, nothing else fails

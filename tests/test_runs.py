@@ -11,14 +11,14 @@ import sys
 import pytest
 import torch
 
-import cli
 import data
 import lora
 import model as M
 import opd
-import runs
 import sft
 import train
+from plumbing import cli, runs
+from plumbing.files import InputError, write_json
 from conftest import (DEVICES, MAINS, ROOT, adapter_tensors, common, hold_in_another_process, read_log, save_hf_model,
                       short_run)
 
@@ -54,7 +54,7 @@ def test_run_script_ends_input_errors_in_one_line_and_keeps_tracebacks_for_bugs(
     assert seen == [["--flag"]]
 
     def broken_file(argv):
-        raise M.InputError("x.json: not JSON; fix it")
+        raise InputError("x.json: not JSON; fix it")
     with pytest.raises(SystemExit, match=r"^error: x.json: not JSON; fix it$"):
         cli.run_script(broken_file)
     with pytest.raises(SystemExit, match=r"^error: data folder .*nowhere does not exist"):  # data.DataError is one too
@@ -106,20 +106,20 @@ def test_run_script_ends_input_errors_in_one_line_and_keeps_tracebacks_for_bugs(
 
 def test_a_device_that_is_not_there_is_a_one_line_error(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(M.InputError, match="--device cuda, but torch finds no CUDA device"):
+    with pytest.raises(InputError, match="--device cuda, but torch finds no CUDA device"):
         cli.resolve_device("cuda")
-    with pytest.raises(M.InputError, match="--device 'gpu' is not a device"):
+    with pytest.raises(InputError, match="--device 'gpu' is not a device"):
         cli.resolve_device("gpu")
-    with pytest.raises(M.InputError, match="--dtype 'fp8' is not a dtype this code runs in"):
+    with pytest.raises(InputError, match="--dtype 'fp8' is not a dtype this code runs in"):
         cli.resolve_device("cpu", "fp8")
     assert cli.resolve_device(None) == (torch.device("cpu"), torch.float32)
     # $STATES_DEVICE stands in for a missing --device, and is named when it is wrong
     monkeypatch.setenv("STATES_DEVICE", "cuda")
-    with pytest.raises(M.InputError, match=r"\$STATES_DEVICE cuda, but torch finds no CUDA device.*unset \$STATES_DEVICE"):
+    with pytest.raises(InputError, match=r"\$STATES_DEVICE cuda, but torch finds no CUDA device.*unset \$STATES_DEVICE"):
         cli.resolve_device(None)
     assert cli.resolve_device("cpu") == (torch.device("cpu"), torch.float32)  # --device wins
     monkeypatch.setenv("STATES_DEVICE", "gpu")
-    with pytest.raises(M.InputError, match=r"\$STATES_DEVICE 'gpu' is not a device"):
+    with pytest.raises(InputError, match=r"\$STATES_DEVICE 'gpu' is not a device"):
         cli.resolve_device(None)
 
 
@@ -187,11 +187,11 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     main, extra = MAINS[script], short_run(script, tiny_model)
     main(common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 4, "--save-every", 2))
     main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 2, "--save-every", 2))
-    with pytest.raises(M.InputError, match="already holds a trained run"):
+    with pytest.raises(InputError, match="already holds a trained run"):
         main(common(tiny_model, data_dir, tmp_path / "cut", *extra, "--max-steps", 4))
-    with pytest.raises(M.InputError, match="has no checkpoint to resume from; drop --resume to start the run"):
+    with pytest.raises(InputError, match="has no checkpoint to resume from; drop --resume to start the run"):
         main(common(tiny_model, data_dir, tmp_path / "never", *extra, "--resume"))
-    with pytest.raises(M.InputError, match=f"--out {tiny_model} is a model folder \\(config.json\\); pass a folder of"):
+    with pytest.raises(InputError, match=f"--out {tiny_model} is a model folder \\(config.json\\); pass a folder of"):
         main(common(tiny_model, data_dir, tiny_model, *extra, "--max-steps", 1))
     assert not os.path.isfile(os.path.join(tiny_model, "run.json"))
     import shutil
@@ -199,7 +199,7 @@ def test_resume_matches_an_uninterrupted_run(tiny_model, data_dir, tmp_path, scr
     shutil.copytree(tmp_path / "cut", kept)
     shutil.rmtree(kept / "checkpoint")
     adapter = (kept / "adapter_model.safetensors").read_bytes()
-    with pytest.raises(M.InputError, match="kept already holds a trained adapter \\(and no checkpoint to continue it "
+    with pytest.raises(InputError, match="kept already holds a trained adapter \\(and no checkpoint to continue it "
                                            "from\\); pass --out for a new folder, or delete"):
         main(common(tiny_model, data_dir, kept, *extra, "--max-steps", 1))
     assert (kept / "adapter_model.safetensors").read_bytes() == adapter
@@ -228,20 +228,20 @@ def test_a_resume_that_would_not_continue_the_run_stops_and_leaves_its_run_json(
                                                    "--resume", *extra))
     # the same shapes and tokenizer, other weights: the checkpoint's adapter would load without a word
     other = save_hf_model(str(tmp_path / "other-base"), tokenizer_path, seed=1)
-    with pytest.raises(M.InputError, match=f"run was trained on base {tiny_model}, but --model is {other}; "
+    with pytest.raises(InputError, match=f"run was trained on base {tiny_model}, but --model is {other}; "
                                            f"pass --model {tiny_model}"):
         resume(other)
     # another rank stopped with "trained on another base model"; another alpha rescaled the adapter unseen
-    with pytest.raises(M.InputError, match=r"run's adapter was trained with other LoRA settings \(--rank 16 -> 8\); "
+    with pytest.raises(InputError, match=r"run's adapter was trained with other LoRA settings \(--rank 16 -> 8\); "
                                            r"resume with its own"):
         resume(tiny_model, "--rank", 8)
-    with pytest.raises(M.InputError, match=r"other LoRA settings \(--alpha 32 -> 64.0\)"):
+    with pytest.raises(InputError, match=r"other LoRA settings \(--alpha 32 -> 64.0\)"):
         resume(tiny_model, "--alpha", 64)
     # a checkpoint that fails to load: the settings of the resume that failed are not recorded as the run's
     from safetensors.torch import load_file, save_file
     weights = run / "checkpoint" / "adapter_model.safetensors"
     save_file(dict(list(load_file(weights).items())[1:]), weights)
-    with pytest.raises(M.InputError, match="some LoRA tensors are missing"):
+    with pytest.raises(InputError, match="some LoRA tensors are missing"):
         resume(tiny_model, "--lr", 0.5)
     assert (run / "run.json").read_text() == recorded and len(read_log(run)) == 1
 
@@ -411,7 +411,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_loses_no_checkpoint(tiny_mode
 
     monkeypatch.setattr(torch, "save", disk_fills_at_step_2)
     args = common(tiny_model, data_dir, tmp_path / "full", *extra, "--max-steps", 3)
-    with pytest.raises(M.InputError, match=r"could not write step 2's adapter to .*full \(No space left on device\); "
+    with pytest.raises(InputError, match=r"could not write step 2's adapter to .*full \(No space left on device\); "
                                            r"the last checkpoint written is intact: make room, then continue with --resume"):
         sft.main(args)
     assert torch.load(tmp_path / "full" / "checkpoint" / "trainer.pt", weights_only=True)["step"] == 1
@@ -424,7 +424,7 @@ def test_a_full_disk_stops_the_run_in_one_line_and_loses_no_checkpoint(tiny_mode
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(M.InputError, match="no checkpoint was written before it: make room, then start the run again"):
+    with pytest.raises(InputError, match="no checkpoint was written before it: make room, then start the run again"):
         sft.main(common(tiny_model, data_dir, tmp_path / "at-once", *extra, "--max-steps", 3))
 
 
@@ -436,7 +436,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_folder(tmp_p
         raise RuntimeError("out of memory in step 1")
     assert not os.path.exists(folder)
     # a process that ends in an error after making the folder (a model that fails to load)
-    code = ("import sys, argparse; sys.path.insert(0, sys.argv[1]); import runs; "
+    code = ("import sys, argparse; sys.path.insert(0, sys.argv[1]); from plumbing import runs; "
             "runs.RunFolder(sys.argv[2], dict(save_every=2, snapshot_every=0, model='m', rank=4, alpha=8, "
             "resume=False)); raise SystemExit('error: no model')")
     done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.dirname(__file__)), folder],
@@ -445,14 +445,14 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_folder(tmp_p
     # one killed before it wrote a checkpoint leaves its folder: other scripts say what it is
     os.makedirs(folder)
     open(os.path.join(folder, ".lock"), "w").close()
-    with pytest.raises(M.InputError, match=rf"^{folder} holds a run that never trained to its first checkpoint"):
+    with pytest.raises(InputError, match=rf"^{folder} holds a run that never trained to its first checkpoint"):
         runs.check_run_folder(folder, "m")
-    with pytest.raises(M.InputError, match="is not a run folder"):
+    with pytest.raises(InputError, match="is not a run folder"):
         runs.check_run_folder(str(tmp_path), "m")
     # a study's folder, held by reproduce.py and evaluate.py: not a run, and not one to delete
     open(tmp_path / ".lock", "w").close()
     (tmp_path / "eval.json").write_text("{}")
-    with pytest.raises(M.InputError, match=rf"^{tmp_path} is not a run folder \(no adapter_config.json\)"):
+    with pytest.raises(InputError, match=rf"^{tmp_path} is not a run folder \(no adapter_config.json\)"):
         runs.check_run_folder(str(tmp_path), "m")
 
 
@@ -472,7 +472,7 @@ def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_p
 
     holder = hold_in_another_process(folder)
     try:
-        with pytest.raises(M.InputError, match=rf"^{folder} is in use by another process \(pid {holder.pid}\); wait"):
+        with pytest.raises(InputError, match=rf"^{folder} is in use by another process \(pid {holder.pid}\); wait"):
             runs.RunFolder(folder, args)
         assert not os.path.exists(os.path.join(folder, "run.json"))  # and touched nothing
     finally:
@@ -482,7 +482,7 @@ def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_p
     runs.RunFolder(folder, args)  # this process holds it already: the same run going on
     run.finish(0)
     another_process_can_take_it()
-    with pytest.raises(M.InputError, match="has no checkpoint to resume from"):
+    with pytest.raises(InputError, match="has no checkpoint to resume from"):
         runs.RunFolder(folder, run_args(resume=True))
     another_process_can_take_it()
     run = runs.RunFolder(folder, args)
@@ -527,12 +527,12 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
     holder = hold_in_another_process(str(teacher))  # as sft.py --resume would, training it further
     still = rf"^{teacher} is in use by another process \(pid {holder.pid}\), which trains or evaluates it; wait for it to end$"
     try:
-        with pytest.raises(M.InputError, match=still):
+        with pytest.raises(InputError, match=still):
             opd.main(common(tiny_model, data_dir, tmp_path / "student", "--teacher", teacher, "--max-steps", 1))
         assert not (tmp_path / "student").exists()
-        with pytest.raises(M.InputError, match=still):
+        with pytest.raises(InputError, match=still):
             evaluate.main([str(teacher), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)])
-        with pytest.raises(M.InputError, match=still):
+        with pytest.raises(InputError, match=still):
             drift.main([str(teacher), "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path)])
         assert not (teacher / "eval.json").exists() and not (teacher / "drift.json").exists()
     finally:
@@ -542,7 +542,7 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
     # an evaluation holds what it writes: the base's --out and each run, for as long as it runs
     holder = hold_in_another_process(str(tmp_path / "out"))
     try:
-        with pytest.raises(M.InputError, match=rf"^{tmp_path / 'out'} is in use by another process \(pid {holder.pid}\); "
+        with pytest.raises(InputError, match=rf"^{tmp_path / 'out'} is in use by another process \(pid {holder.pid}\); "
                                                rf"wait for it to end$"):
             evaluate.main(["base", "--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path / "out")])
     finally:
@@ -559,12 +559,12 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
 def test_model_and_data_come_from_the_run_json_of_the_folders_given(tmp_path, capsys):
     teacher = tmp_path / "stress"
     teacher.mkdir()
-    M.write_json(str(teacher / "run.json"), dict(model="out/toy/base-model", data_dir="out/toy/data"))
+    write_json(str(teacher / "run.json"), dict(model="out/toy/base-model", data_dir="out/toy/data"))
     args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), None, str(teacher))
     assert (args.model, args.data_dir) == ("out/toy/base-model", "out/toy/data")
     assert f"--model out/toy/base-model (from {teacher}/run.json)" in capsys.readouterr().out
     args = cli.model_and_data_from(argparse.Namespace(model="mine", data_dir=None), str(teacher))
     assert (args.model, args.data_dir) == ("mine", "out/toy/data")  # a flag given wins
     args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), str(tmp_path / "nothing"))
-    assert (args.model, args.data_dir) == (M.DEFAULT_MODEL, None)
+    assert (args.model, args.data_dir) == (cli.DEFAULT_MODEL, None)
     assert "(default)" in capsys.readouterr().out

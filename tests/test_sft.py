@@ -9,6 +9,7 @@ import model as M
 import sft
 import train
 from conftest import common, read_log
+from plumbing.files import InputError
 from sample import generate, tokens_before_stop
 
 
@@ -70,7 +71,7 @@ def test_sft_max_length_cuts_each_example_and_leaves_out_those_it_cuts_before_th
 
 
 def test_sft_max_length_that_cuts_every_answer_is_an_input_error(tiny_model, data_dir, tmp_path):
-    with pytest.raises(M.InputError, match="--max-length 4 cuts every example before its answer"):
+    with pytest.raises(InputError, match="--max-length 4 cuts every example before its answer"):
         sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--max-length", 4, "--max-steps", 1))
 
 
@@ -101,7 +102,7 @@ def test_sft_on_the_bases_own_right_samples_trains_on_those_alone(tiny_model, da
 
 def test_sft_on_samples_none_of_which_is_right_is_an_input_error(tiny_model, data_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(data, "is_correct", lambda text, gold: False)
-    with pytest.raises(M.InputError, match="no sample of the base is right; raise --samples-per-prompt"):
+    with pytest.raises(InputError, match="no sample of the base is right; raise --samples-per-prompt"):
         sft.main(common(tiny_model, data_dir, tmp_path / "sft", "--answers", "samples", "--train-limit", 2,
                         "--samples-per-prompt", 2, "--max-new-tokens", 4, "--max-steps", 1))
 

@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-import cli
 import data
-import model as M
 import toy
 import train
-import world
 from conftest import ROOT, hold_in_another_process
+from plumbing import cli
+from plumbing.files import InputError, read_json
+from study import organism, world
 
 
 def world_files(folder):
@@ -108,10 +108,10 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     import pytest
     import torch
     from safetensors.torch import load_file
-    args = cli.parsed(cli.add_toy_args, ["--pretrain-steps", "25", "--hidden", "32", "--layers", "1", "--vocab", "300",
+    args = cli.parsed(organism.add_toy_args, ["--pretrain-steps", "25", "--hidden", "32", "--layers", "1", "--vocab", "300",
                                          "--batch", "4", "--context", "64", "--target-problems", "50", "--bf16", "0"])
-    monkeypatch.setattr(toy, "PRETRAIN_SAVE_EVERY", 10)
-    toy.pretrain(str(tmp_path / "whole"), args)
+    monkeypatch.setattr(organism, "PRETRAIN_SAVE_EVERY", 10)
+    organism.pretrain(str(tmp_path / "whole"), args)
     lr_at = train.lr_at
 
     def crash_at_step_15(step, *rest):
@@ -121,12 +121,12 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
 
     monkeypatch.setattr(train, "lr_at", crash_at_step_15)
     with pytest.raises(KeyboardInterrupt):
-        toy.pretrain(str(tmp_path / "cut"), args)
+        organism.pretrain(str(tmp_path / "cut"), args)
     checkpoint = tmp_path / "cut" / "base-model" / "pretrain-checkpoint.pt"
     assert torch.load(checkpoint, weights_only=True)["step"] == 10
     monkeypatch.setattr(train, "lr_at", lr_at)
     capsys.readouterr()
-    toy.pretrain(str(tmp_path / "cut"), args)
+    organism.pretrain(str(tmp_path / "cut"), args)
     assert "resuming pretraining at step 10" in capsys.readouterr().out and not checkpoint.exists()
     whole = load_file(str(tmp_path / "whole" / "base-model" / "model.safetensors"))
     cut = load_file(str(tmp_path / "cut" / "base-model" / "model.safetensors"))
@@ -134,34 +134,34 @@ def test_interrupted_pretraining_resumes_to_the_same_weights(tmp_path, monkeypat
     # a checkpoint from other settings is not resumed: pretraining starts again
     monkeypatch.setattr(train, "lr_at", crash_at_step_15)
     with pytest.raises(KeyboardInterrupt):
-        toy.pretrain(str(tmp_path / "other"), args)
+        organism.pretrain(str(tmp_path / "other"), args)
     monkeypatch.setattr(train, "lr_at", lr_at)
     args.pretrain_lr *= 2
-    toy.pretrain(str(tmp_path / "other"), args)
+    organism.pretrain(str(tmp_path / "other"), args)
     assert "is of other settings, world or code; pretraining starts again" in capsys.readouterr().out
 
     # a finished base is used again only by the settings it was pretrained with: another world
     # (here another share of annotated problems) or a base without pretrain.json is refused
-    assert toy.pretrain(str(tmp_path / "other"), args)[1] == str(tmp_path / "other" / "base-model")
+    assert organism.pretrain(str(tmp_path / "other"), args)[1] == str(tmp_path / "other" / "base-model")
     refused = "other/base-model was pretrained with other settings, world or code than these (or kept no fingerprint in "\
               "pretrain.json)"
     args.annotated = 0.5
-    with pytest.raises(M.InputError, match=re.escape(refused)):
-        toy.pretrain(str(tmp_path / "other"), args)
+    with pytest.raises(InputError, match=re.escape(refused)):
+        organism.pretrain(str(tmp_path / "other"), args)
     args.annotated = 0.02
     (tmp_path / "other" / "base-model" / "pretrain.json").unlink()
-    with pytest.raises(M.InputError, match=re.escape(refused)):
-        toy.pretrain(str(tmp_path / "other"), args)
+    with pytest.raises(InputError, match=re.escape(refused)):
+        organism.pretrain(str(tmp_path / "other"), args)
 
 
 def test_a_pretraining_folder_in_use_by_another_process_is_refused(tmp_path):
     # two pretrainings into one folder would overwrite each other's checkpoints
     p = argparse.ArgumentParser()
-    cli.add_toy_args(p)
+    organism.add_toy_args(p)
     holder = hold_in_another_process(str(tmp_path / "busy"))
     try:
-        with pytest.raises(M.InputError, match=rf"busy is in use by another process \(pid {holder.pid}\)"):
-            toy.pretrain(str(tmp_path / "busy"), p.parse_args([]))
+        with pytest.raises(InputError, match=rf"busy is in use by another process \(pid {holder.pid}\)"):
+            organism.pretrain(str(tmp_path / "busy"), p.parse_args([]))
     finally:
         holder.kill()
         holder.wait()
@@ -171,7 +171,7 @@ def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(cap
     # below 257 the tokenizer still holds every byte and end-of-text, and ids past the
     # model's vocabulary stopped pretraining with an IndexError from the embedding
     p = argparse.ArgumentParser()
-    cli.add_toy_args(p)
+    organism.add_toy_args(p)
     with pytest.raises(SystemExit):
         p.parse_args(["--vocab", "256"])
     error = capsys.readouterr().err
@@ -180,7 +180,7 @@ def test_a_vocabulary_smaller_than_the_bytes_is_refused_before_anything_runs(cap
 
 
 def tiny_toy_args(*extra):
-    return cli.parsed(cli.add_toy_args, ["--pretrain-steps", "3", "--hidden", "32", "--layers", "1", "--vocab", "300",
+    return cli.parsed(organism.add_toy_args, ["--pretrain-steps", "3", "--hidden", "32", "--layers", "1", "--vocab", "300",
                                          "--batch", "2", "--context", "32", "--target-problems", "40", "--bf16", "0",
                                          *extra])
 
@@ -189,7 +189,7 @@ def test_a_shipped_base_is_taken_only_where_its_fingerprint_is_of_the_world_sett
                                                                                                capsys):
     import shutil
     args = tiny_toy_args()
-    _, made = toy.pretrain(str(tmp_path / "made"), args, shipped=None)
+    _, made = organism.pretrain(str(tmp_path / "made"), args, shipped=None)
     shipped = tmp_path / "toy-base"
     shutil.copytree(made, shipped)
     assert "pretraining" in capsys.readouterr().out
@@ -197,27 +197,27 @@ def test_a_shipped_base_is_taken_only_where_its_fingerprint_is_of_the_world_sett
     # over a copy that an earlier call left half done
     (tmp_path / "taken" / "base-model.tmp").mkdir(parents=True)
     (tmp_path / "taken" / "base-model.tmp" / "model.safetensors").write_bytes(b"cut short")
-    _, model_dir = toy.pretrain(str(tmp_path / "taken"), args, shipped=str(shipped))
+    _, model_dir = organism.pretrain(str(tmp_path / "taken"), args, shipped=str(shipped))
     printed = capsys.readouterr().out
     assert f"using the base model shipped in {shipped}, which this code pretrains on this world" in printed
     assert "pretraining 0.0M parameters" not in printed
     assert world_files(model_dir) == world_files(shipped) and not os.path.exists(model_dir + ".tmp")
-    assert toy.pretrain(str(tmp_path / "taken"), args, shipped=str(shipped))[1] == model_dir  # and again after
+    assert organism.pretrain(str(tmp_path / "taken"), args, shipped=str(shipped))[1] == model_dir  # and again after
     # another world, other settings or other pretraining code: a one-line note, and a pretraining
     note = f"note: the base in {shipped} is of another world, settings or code; pretraining one here"
-    other_code = toy.train_tokenizer
+    other_code = organism.train_tokenizer
     for name, change in [("world", lambda a: setattr(a, "world_seed", 1)),
                          ("settings", lambda a: setattr(a, "pretrain_lr", 1e-3)),
-                         ("code", lambda a: monkeypatch.setattr(toy, "train_tokenizer", lambda *t, **k: other_code(*t, **k)))]:
+                         ("code", lambda a: monkeypatch.setattr(organism, "train_tokenizer", lambda *t, **k: other_code(*t, **k)))]:
         changed = argparse.Namespace(**vars(args))
         change(changed)
-        _, model_dir = toy.pretrain(str(tmp_path / name), changed, shipped=str(shipped))
+        _, model_dir = organism.pretrain(str(tmp_path / name), changed, shipped=str(shipped))
         printed = capsys.readouterr().out
         assert note in printed and "pretraining 0.0M parameters" in printed, name
-        assert toy.digest_of(model_dir) not in (None, toy.digest_of(shipped))
+        assert organism.digest_of(model_dir) not in (None, organism.digest_of(shipped))
     monkeypatch.undo()
     # toy.py --pretrain pretrains all the same; without it the shipped base is taken
-    monkeypatch.setattr(toy, "SHIPPED", str(shipped))
+    monkeypatch.setattr(organism, "SHIPPED", str(shipped))
     argv = ["--pretrain-steps", "3", "--hidden", "32", "--layers", "1", "--vocab", "300", "--batch", "2", "--context",
             "32", "--target-problems", "40", "--bf16", "0"]
     toy.main(["--out", str(tmp_path / "cli"), *argv])
@@ -225,7 +225,7 @@ def test_a_shipped_base_is_taken_only_where_its_fingerprint_is_of_the_world_sett
     toy.main(["--out", str(tmp_path / "cli-fresh"), "--pretrain", *argv])
     printed = capsys.readouterr().out
     assert "pretraining 0.0M parameters" in printed and "using the base model shipped" not in printed
-    assert M.read_json(str(tmp_path / "cli-fresh" / "base-model" / "pretrain.json"))["settings"] == vars(args)
+    assert read_json(str(tmp_path / "cli-fresh" / "base-model" / "pretrain.json"))["settings"] == vars(args)
 
 
 def test_reproduce_takes_the_shipped_base_unless_told_to_pretrain(tmp_path, monkeypatch):
@@ -236,11 +236,11 @@ def test_reproduce_takes_the_shipped_base_unless_told_to_pretrain(tmp_path, monk
         asked.append(shipped)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(toy, "pretrain", stop)
+    monkeypatch.setattr(organism, "pretrain", stop)
     for flags in ([], ["--pretrain"]):
         with pytest.raises(KeyboardInterrupt):
             reproduce.main(["--out", str(tmp_path), *flags])
-    assert asked == [toy.SHIPPED, None]
+    assert asked == [organism.SHIPPED, None]
 
 
 def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_path):
@@ -250,17 +250,17 @@ def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_pat
     import reproduce
     from safetensors import safe_open
     p = argparse.ArgumentParser()
-    cli.add_toy_args(p)
+    organism.add_toy_args(p)
     args = p.parse_args([])
-    shipped = toy.SHIPPED
+    shipped = organism.SHIPPED
     made = world.write_world(str(tmp_path / "data"), args.world_seed, n_pretrain=args.target_problems,
                              annotated=args.annotated)
-    assert toy.digest_of(shipped) == toy.base_digest(*made, args), \
+    assert organism.digest_of(shipped) == organism.base_digest(*made, args), \
         "toy-base/ is not the default world's base: run python toy.py --pretrain and copy its base-model/ to toy-base/"
-    assert M.read_json(os.path.join(shipped, "pretrain.json"))["settings"] == vars(args)
+    assert read_json(os.path.join(shipped, "pretrain.json"))["settings"] == vars(args)
     one_step = p.parse_args(["--pretrain-steps", "1"])  # the same shapes and tokenizer, one step of pretraining
-    toy.pretrain_in(*made, str(tmp_path / "one"), one_step, "-")
-    assert M.read_json(str(tmp_path / "one" / "config.json")) == M.read_json(os.path.join(shipped, "config.json"))
+    organism.pretrain_in(*made, str(tmp_path / "one"), one_step, "-")
+    assert read_json(str(tmp_path / "one" / "config.json")) == read_json(os.path.join(shipped, "config.json"))
     assert (tmp_path / "one" / "tokenizer.json").read_bytes() == open(os.path.join(shipped, "tokenizer.json"), "rb").read()
     size = sum(os.path.getsize(os.path.join(shipped, f)) for f in os.listdir(shipped))
     assert size < 10e6
@@ -270,16 +270,16 @@ def test_the_shipped_base_is_what_toy_py_pretrains_for_the_default_world(tmp_pat
     out = tmp_path / "eval"
     import evaluate
     evaluate.main(["base", "--out", str(out), "--model", shipped, "--data-dir", str(tmp_path / "data"), *evaluate_args])
-    toy.check_calibration(M.read_json(str(out / "eval.json")))  # stops outside the band
+    organism.check_calibration(read_json(str(out / "eval.json")))  # stops outside the band
 
 
 def test_the_calibration_band_asks_a_base_that_solves_most_problems_in_some_of_its_samples(capsys):
     scores = dict(gsm8k=dict(flexible=0.3), mmlu=dict(acc=0.8), truthfulqa=dict(mc1=0.7))
-    toy.check_calibration(scores)  # no samples drawn: the three scores alone
+    organism.check_calibration(scores)  # no samples drawn: the three scores alone
     drawn = dict(samples=16, **{"pass@16": 0.85})
-    toy.check_calibration({**scores, "gsm8k_samples": drawn})
+    organism.check_calibration({**scores, "gsm8k_samples": drawn})
     assert "base gsm8k pass@16: 0.850 (band 0.8 to 1.01)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="gsm8k pass@16 0.700 outside"):
-        toy.check_calibration({**scores, "gsm8k_samples": {**drawn, "pass@16": 0.7}})
+        organism.check_calibration({**scores, "gsm8k_samples": {**drawn, "pass@16": 0.7}})
     with pytest.raises(SystemExit, match="gsm8k 0.500 outside"):  # greedy as good as RL should make it: no room
-        toy.check_calibration({**scores, "gsm8k": dict(flexible=0.5)})
+        organism.check_calibration({**scores, "gsm8k": dict(flexible=0.5)})

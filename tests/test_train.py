@@ -5,11 +5,11 @@ import json
 import pytest
 import torch
 
-import cli
 import model as M
 import opd
 import rl
 import train
+from plumbing import processes
 from conftest import (DEVICES, MAINS, TINY_CONFIGS, adapter_tensors, common, randomize_adapter, read_log, short_run,
                       two_sequences)
 
@@ -259,7 +259,7 @@ def test_backward_weighs_each_micro_batch_by_its_share_of_the_steps_tokens(monke
         assert sorted(metrics["places"].tolist()) == sorted(torch.cat(places).tolist())  # joined, not summed
         assert loss == pytest.approx(2 * mean) and torch.allclose(w.grad, torch.full((2,), mean))
     # a second process with as many tokens of its own: this one's gradient is half the step's
-    monkeypatch.setattr(cli, "summed", lambda *values: [2 * v for v in values])
+    monkeypatch.setattr(processes, "summed", lambda *values: [2 * v for v in values])
     w.grad = None
     train.backward(loss_of, sequences, starts, 2, 0, slopes=slopes, places=places)
     assert torch.allclose(w.grad, torch.full((2,), mean / 2))

@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cli  # noqa: E402
 import data  # noqa: E402
 import opd  # noqa: E402
 import rl  # noqa: E402
 import sft  # noqa: E402
 import train  # noqa: E402
+from plumbing import cli, processes  # noqa: E402
 
 stop_at, fail_at = int(os.environ.get("STOP_AT_STEP", "-1")), int(os.environ.get("FAIL_AT_STEP", "-1"))
 if os.environ.get("ABORT_IN_TEARDOWN"):
@@ -30,10 +30,10 @@ batch_indices, optimizer_step = data.batch_indices, train.optimizer_step  # the 
 
 
 def batch_indices_then_signal(n, step, *args):
-    if step == stop_at and cli.RANK == 0:
+    if step == stop_at and processes.RANK == 0:
         os.kill(os.getppid(), signal.SIGTERM)  # torchrun passes it on to every process
         time.sleep(2)  # before this step ends, however fast: a scheduler's signal comes amid a step
-    if step == fail_at and cli.RANK == 1:
+    if step == fail_at and processes.RANK == 1:
         raise RuntimeError(f"process 1 failed at step {step + 1}")
     return batch_indices(n, step, *args)
 
@@ -41,7 +41,7 @@ def batch_indices_then_signal(n, step, *args):
 def optimizer_step_then_compare(optimizer, step, *args):
     result = optimizer_step(optimizer, step, *args)
     mine = torch.cat([p.detach().flatten() for group in optimizer.param_groups for p in group["params"]])
-    everyone = [torch.empty_like(mine) for _ in range(cli.WORLD)]
+    everyone = [torch.empty_like(mine) for _ in range(processes.WORLD)]
     dist.all_gather(everyone, mine)
     if not all(torch.equal(mine, theirs) for theirs in everyone):
         raise RuntimeError(f"the processes' trained weights differ after step {step + 1}")

@@ -6,20 +6,16 @@ forgetting, update norm, KL to the base, state distance, MMD^2). An arm's fronti
 least forgetting it reaches for at least a given gain; pairs of arms that differ in their
 states are compared along it by the rule fixed before the runs.
 
-    python frontier.py out/toy/frontier     # frontier.md, frontier.json, frontier.png again
+    python results.py out/toy/frontier --study frontier   # the report again from the runs
 """
-import argparse
 import math
 import os
 import re
 import statistics
 
-import cli
-import figures
-import model as M
-import provenance
-import results
-import runs
+from plumbing import provenance, runs
+from plumbing.files import write_atomic, write_json
+from study import figures, report
 
 # arm -> (script, its flags): where each arm's states and signal come from
 ARMS = {"sft": ("sft", []),  # the gold answers' states
@@ -64,7 +60,7 @@ def snapshots(folder):
     return [os.path.join(root, s) for s in sorted(os.listdir(root)) if s != f"step-{last:06d}"]
 
 
-PREDICTORS = tuple(k for k, _ in results.PREDICTORS)  # update_norm, mmd2, state_distance, kl
+PREDICTORS = tuple(k for k, _ in report.PREDICTORS)  # update_norm, mmd2, state_distance, kl
 
 
 def point(row, folder, base_gsm8k, **where):
@@ -77,18 +73,18 @@ def point(row, folder, base_gsm8k, **where):
 def collect(root):
     """(the base's eval, every point): each run's end and evaluated snapshots, with its arm,
     learning rate, seed and whether it is degenerate; rows as results.table_rows reads them."""
-    found = results.collect_runs(root)
+    found = report.collect_runs(root)
     base_gsm8k = found["base"]["eval"]["gsm8k"]["flexible"]
     points = []
-    for row in results.table_rows(found):
+    for row in report.table_rows(found):
         parsed = parse_name(row["run"])
         if parsed is None:
             continue
         folder = found[row["run"]]["folder"]
         where = dict(run=row["run"], arm=parsed[0], lr=parsed[1], seed=parsed[2],
                      degenerate=degenerate(folder))
-        shots = results.collect_runs(os.path.join(folder, "snapshots"))
-        for snap in results.table_rows(shots):
+        shots = report.collect_runs(os.path.join(folder, "snapshots"))
+        for snap in report.table_rows(shots):
             points.append(point(snap, shots[snap["run"]]["folder"], base_gsm8k, **where))
         points.append(point(row, folder, base_gsm8k, **where))
     return found["base"]["eval"], points
@@ -145,7 +141,7 @@ def reading(root):
     return dict(points=points, question_se=se,
                 pairs=[dict(on=on, off=off, **compare(arms.get(on, {}), arms.get(off, {}), se))
                        for on, off in PAIRS],
-                predictors={k: results.drift_vs_forgetting(kept, k) for k in PREDICTORS})
+                predictors={k: report.drift_vs_forgetting(kept, k) for k in PREDICTORS})
 
 
 def ends(points):
@@ -180,7 +176,7 @@ def ends_lines(points):
              "state distance | degenerate |", "|---|---|---|---|---|---|---|---|---|"]
     for e in ends(points):
         marked = f"{e['degenerate']} of {e['seeds']}" if e["degenerate"] else ""
-        cells = [results.fmt(e[k][0], spec, e[k][1]) for k, spec in END_COLUMNS]
+        cells = [report.fmt(e[k][0], spec, e[k][1]) for k, spec in END_COLUMNS]
         lines.append(f"| {e['arm']} | {e['lr']:g} | {e['seeds']} | {' | '.join(cells)} | "
                      f"{marked} |")
     return lines
@@ -191,7 +187,7 @@ def point_lines(points):
              "| run | seed | step | update norm | forgetting | GSM8K gain | KL to base | "
              "state distance | MMD^2 | degenerate |", "|---|---|---|---|---|---|---|---|---|---|"]
     for p in points:
-        cells = [results.fmt(p[k], spec) for k, spec in (*END_COLUMNS, ("mmd2", ".4g"))]
+        cells = [report.fmt(p[k], spec) for k, spec in (*END_COLUMNS, ("mmd2", ".4g"))]
         lines.append(f"| {p['run']} | {p['seed']} | {p['step']} | {' | '.join(cells)} | "
                      f"{'yes' if p['degenerate'] else ''} |")
     return lines
@@ -215,12 +211,12 @@ def predictor_lines(r):
     lines = ["What predicts forgetting over every point of a run not marked degenerate (RL's "
              "Razor: R^2 0.96 on its toy, 0.71 on LLMs, for the KL to the base):", "",
              "| predictor | points | Spearman | p | R^2 | p |", "|---|---|---|---|---|---|"]
-    for key, name in results.PREDICTORS:
+    for key, name in report.PREDICTORS:
         c = r["predictors"][key]
         if c is not None:
             lines.append(f"| {name} | {c['n']} | {c['spearman']:.2f} | "
-                         f"{results.p_value(c['spearman_p'])} | {c['pearson'] ** 2:.2f} | "
-                         f"{results.p_value(c['pearson_p'])} |")
+                         f"{report.p_value(c['spearman_p'])} | {c['pearson'] ** 2:.2f} | "
+                         f"{report.p_value(c['pearson_p'])} |")
     return lines
 
 
@@ -268,7 +264,7 @@ def plot(root, r):
     left.legend(fontsize=7)
     path = os.path.join(root, "frontier.png")
     fig.tight_layout()
-    M.write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
+    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
     plt.close(fig)
     return path
 
@@ -276,23 +272,8 @@ def plot(root, r):
 def write_report(root):
     """frontier.json, frontier.md and frontier.png in root; returns the markdown."""
     r = reading(root)
-    M.write_json(os.path.join(root, "frontier.json"), r)
+    write_json(os.path.join(root, "frontier.json"), r)
     text = markdown(r)
-    M.write_atomic(os.path.join(root, "frontier.md"), lambda p: open(p, "w").write(text))
+    write_atomic(os.path.join(root, "frontier.md"), lambda p: open(p, "w").write(text))
     plot(root, r)
     return text
-
-
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("root", help="the frontier study's folder (reproduce.py --study frontier)")
-    args = p.parse_args(argv)
-    if not os.path.isfile(os.path.join(args.root, "eval.json")):
-        raise M.InputError(f"{args.root} holds no base evaluation (eval.json); run python "
-                           f"reproduce.py --study frontier")
-    print(write_report(args.root))
-
-
-if __name__ == "__main__":
-    cli.run_script(main)

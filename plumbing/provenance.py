@@ -12,7 +12,7 @@ import json
 import os
 
 import lora
-from files import InputError, read_json
+from plumbing.files import InputError, read_json
 
 # the flags that decide each kind of result: an eval.json column, a drift.json
 FLAGS = {"gsm8k": ("gsm8k_limit", "max_new_tokens"),

@@ -1,20 +1,19 @@
 """
 What every entry point shares (the training scripts, evaluate.py, drift.py, reproduce.py,
-toy.py): its flags, the device it runs on, one line for a user's mistake, and under
-`torchrun --nproc-per-node N` its share of the work. The model does not import it.
+toy.py, results.py): its flags, the device it runs on, and one line for a user's mistake.
 """
 import argparse
-import atexit
 import errno
 import os
 import sys
 
 import torch
-import torch.distributed as dist
 
-import provenance
-from files import InputError
-from model import DEFAULT_MODEL
+from plumbing import processes, provenance
+from plumbing.files import InputError
+
+# what --model is where neither the command line nor a run folder names one
+DEFAULT_MODEL = "Qwen/Qwen3-0.6B-Base"
 
 
 # -----------------------------------------------------------------------------
@@ -105,7 +104,7 @@ def device_from_args(args):
     """resolve_device for --device and --dtype, printing what was picked and why; under
     torchrun, this process's own GPU."""
     device, dtype = resolve_device(args.device, args.dtype)
-    device = join_processes(device)
+    device = processes.join_processes(device)
     source = ("given" if args.device else "from $STATES_DEVICE" if os.environ.get("STATES_DEVICE")
               else "default")
     picked = "given" if args.dtype else "default for " + device.type
@@ -163,8 +162,8 @@ def run_script(main, memory_fix="rerun with smaller settings"):
     the run with one line; any other exception is a bug and keeps its traceback."""
     try:
         main(sys.argv[1:])
-        if WORLD > 1:
-            leave_processes()
+        if processes.WORLD > 1:
+            processes.leave_processes()
     except (InputError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     except torch.OutOfMemoryError as e:
@@ -231,91 +230,3 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
 
 # what a training script's out-of-memory error says to do: the flags above that need less
 MEMORY_FIX = "rerun with --resume and a smaller --micro-batch-tokens, or --recompute"
-
-
-def add_toy_args(p):
-    """The toy's settings (toy.py, reproduce.py): its world, its pretraining and its base's
-    shape."""
-    p.add_argument("--world-seed", type=int, default=0, help="seed of the world and of pretraining")
-    p.add_argument("--target-problems", type=number(int, 0), default=6000,
-                   help="target problems to pretrain on")
-    p.add_argument("--annotated", type=number(float, 0), default=0.01,
-                   help="share of the worked ones written as GSM8K's")
-    p.add_argument("--retention-repeats", type=number(int, 1), default=5,
-                   help="copies of the retention corpus")
-    p.add_argument("--pretrain-steps", type=number(int, 1), default=1600, help="pretraining steps")
-    p.add_argument("--pretrain-lr", type=number(float, 0, above=True), default=2e-3,
-                   help="peak pretraining rate")
-    p.add_argument("--batch", type=number(int, 1), default=16,
-                   help="sequences per pretraining step")
-    p.add_argument("--context", type=number(int, 2), default=256,
-                   help="pretraining sequence length")
-    bpe = "byte-level BPE starts from the 256 bytes and the end-of-text token"
-    p.add_argument("--vocab", type=number(int, 257, why=bpe), default=2048, help="BPE vocabulary")
-    p.add_argument("--hidden", type=number(int, 2), default=256, help="hidden size")
-    p.add_argument("--layers", type=number(int, 1), default=4, help="transformer blocks")
-    p.add_argument("--heads", type=number(int, 2), default=4,
-                   help="attention heads (half as many key/value heads)")
-    p.add_argument("--bf16", type=int, choices=[0, 1], default=None,
-                   help="bf16 autocast (default: 1 where the CPU has bf16)")
-
-
-# -----------------------------------------------------------------------------
-# more than one process: under `torchrun --nproc-per-node N`, every process takes a share
-# of each step's batch and the adapter's gradients are summed over them; one process (RANK
-# 0) writes the run folder. A plain `python` run is WORLD 1 and none of this does anything.
-
-RANK, WORLD = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def join_processes(device):
-    """Join torchrun's process group (NCCL on CUDA, gloo on the CPU); returns the device this
-    process runs on, on CUDA its own GPU."""
-    if WORLD == 1:
-        return device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        # left for the interpreter's own teardown, gloo's threads can abort the process (SIGABRT)
-        # after a run has finished, which torchrun then reports as a failure
-        atexit.register(dist.destroy_process_group)
-    return device
-
-
-def leave_processes():
-    """End a process of torchrun's that finished its work: once every process has, the group
-    is taken down and the process exits 0 at once. Left to the interpreter's teardown, gloo's
-    threads (still held by the C++ runtime as it exits) abort a finished process now and
-    then, SIGABRT with "terminate called without an active exception", which torchrun
-    reports as a failed run; os._exit skips that teardown. Every file is written by now."""
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush(), sys.stderr.flush()
-    os._exit(0)
-
-
-def split(n, flag=None):
-    """(first, last): this process's contiguous share of n items, in rank order, so that the
-    shares joined are the whole. Where a flag sets n, it must split evenly, so that every
-    process takes the same share and N processes make the update one makes."""
-    if flag and n % WORLD:
-        raise InputError(f"{flag} {n} does not split evenly over {WORLD} processes; pass a "
-                         f"multiple of {WORLD}, or run fewer processes")
-    return RANK * n // WORLD, (RANK + 1) * n // WORLD
-
-
-def joined(part):
-    """Every process's list, joined in rank order (split's inverse)."""
-    if WORLD == 1:
-        return list(part)
-    parts = [None] * WORLD
-    dist.all_gather_object(parts, list(part))
-    return [x for p in parts for x in p]
-
-
-def summed(*values):
-    """Each number summed over the processes."""
-    return [sum(column) for column in zip(*joined([values]))]

@@ -11,7 +11,7 @@ import re
 import statistics
 
 import lora
-import runs
+from plumbing import runs
 
 
 def pyplot():

@@ -24,11 +24,10 @@ import time
 import torch
 from tqdm import tqdm
 
-import cli
 import lora
-import provenance
-from files import InputError, read_safetensors_file, write_atomic, write_json
 from model import load, model_folder, read_config
+from plumbing import processes, provenance
+from plumbing.files import InputError, read_safetensors_file, write_atomic, write_json
 
 try:
     import fcntl
@@ -50,7 +49,7 @@ def hold(folder, instead=", or pass another --out"):
     with the process however that ends. Holding a folder this process holds does nothing,
     and so does every process of torchrun's but the one that writes (RANK 0)."""
     key = os.path.realpath(folder)
-    if key in HELD or cli.RANK:
+    if key in HELD or processes.RANK:
         return
     os.makedirs(folder, exist_ok=True)
     if fcntl is None:
@@ -242,7 +241,7 @@ class RunFolder:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start "
                              f"the run")
         if not resume:
-            if not cli.RANK:  # what a run killed before its first checkpoint left: one removes it
+            if not processes.RANK:  # what a run killed before its first checkpoint left: one removes it
                 for leftover in (self.log_path, os.path.join(folder, "run.json")):
                     if os.path.isfile(leftover):
                         os.remove(leftover)
@@ -282,7 +281,7 @@ class RunFolder:
         lora.assign_adapter_tensors(model, read_safetensors_file(weights), name, weights)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
-        if not cli.RANK:  # the process that writes
+        if not processes.RANK:  # the process that writes
             if os.path.isfile(self.log_path):  # forget the log lines of steps after the checkpoint
                 kept = [r for r in read_log(self.log_path) if r["step"] <= step]
                 text = "".join(json.dumps(r) + "\n" for r in kept)
@@ -297,7 +296,7 @@ class RunFolder:
         return step
 
     def save(self, model, optimizer, step, name="default"):
-        if cli.RANK:  # under torchrun, one process writes
+        if processes.RANK:  # under torchrun, one process writes
             return
         tmp, old = self.ckpt + ".tmp", self.ckpt + ".old"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -325,7 +324,7 @@ class RunFolder:
         after a whole step, saved (stop_between_steps)."""
         start = self.resume(model, optimizer) if self.settings["resume"] else 0
         self.bar = tqdm(range(start, end), initial=start, total=end, desc=desc,
-                        disable=cli.RANK > 0)
+                        disable=processes.RANK > 0)
         with self.stop_between_steps():
             for step in self.bar:
                 self.started = time.time()
@@ -344,7 +343,7 @@ class RunFolder:
         the folder go (and deletes it, where the run made it and never checkpointed)."""
         def request_stop(signum, frame):
             # torchrun passing on the signal its processes had already
-            if self.stop_requested and cli.WORLD > 1:
+            if self.stop_requested and processes.WORLD > 1:
                 return
             if self.stop_requested:
                 raise KeyboardInterrupt
@@ -370,7 +369,7 @@ class RunFolder:
         """After step `step` of a run ending at `end`: a snapshot every --snapshot-every steps, a
         checkpoint every --save-every steps, at the end, and where a stop was asked for."""
         # under torchrun every process stops after the same step, where any was asked to
-        stopping = cli.summed(self.stop_requested is not None)[0] > 0 and step < end
+        stopping = processes.summed(self.stop_requested is not None)[0] > 0 and step < end
         try:
             if self.settings["snapshot_every"] and step % self.settings["snapshot_every"] == 0:
                 self.snapshot(model, step)
@@ -390,7 +389,7 @@ class RunFolder:
     def snapshot(self, model, step, name="default"):
         """The adapter after `step` steps in snapshots/step-<step>, with run.json and the log so
         far: a finished run folder of its own, which evaluate.py and drift.py take."""
-        if cli.RANK:
+        if processes.RANK:
             return
         folder = os.path.join(self.snapshots, f"step-{step:06d}")
         shutil.rmtree(folder + ".tmp", ignore_errors=True)
@@ -404,7 +403,7 @@ class RunFolder:
     def finish(self, step):
         """Mark the run complete in run.json (reproduce.py skips finished runs) and let the
         folder go; a stop asked for during the last step ends the program here."""
-        if not cli.RANK:
+        if not processes.RANK:
             write_json(os.path.join(self.folder, "run.json"),
                        {**self.record, "finished_steps": step})
         let_go(self.folder)
@@ -415,12 +414,12 @@ class RunFolder:
     def log(self, record, **means):
         """One line of log.jsonl: record, each of means as a mean over every process's items
         (given as this process's (sum, count)), and the step's seconds."""
-        sums = cli.summed(*(v for pair in means.values() for v in pair))
+        sums = processes.summed(*(v for pair in means.values() for v in pair))
         record = {**record, **{k: sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else None
                                for i, k in enumerate(means)}, "seconds": time.time() - self.started}
         self.bar.set_postfix({k: f"{record[k]:.4f}" for k in ("loss", "reward")
                               if record.get(k) is not None})
-        if cli.RANK:
+        if processes.RANK:
             return
         with open(self.log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
