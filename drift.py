@@ -55,7 +55,7 @@ import model as M
 import train
 from plumbing import cli, processes, provenance, runs
 from plumbing.files import InputError, read_json, write_json
-from sample import generate, left_pad
+from sample import Sampling, generate, left_pad
 
 # MMD^2 values this close count as equal (float64 sums over up to ~10^7 kernel entries)
 ROUNDING = 1e-12
@@ -217,16 +217,18 @@ def rollout_states(rollouts, stride):
     return states, prompt_lengths, prompts
 
 
-def collect(model, tok, prompts, max_new_tokens, temperature, stride, seed):
-    """One rollout of each prompt, prompt i's drawn from seed + i, and its states (ROLLOUT)."""
+def collect(model, tok, prompts, rollout):
+    """One rollout of each prompt, prompt i's drawn from seed + i, and its states; rollout:
+    the flags of ROLLOUT by name."""
     first, last = processes.split(len(prompts))  # under torchrun, each process rolls out its share
-    rollouts = generate(model, tok, prompts[first:last], max_new_tokens=max_new_tokens,
-                        temperature=temperature, stop=data.GSM8K_STOP, seed=seed + first,
+    sampling = Sampling(max_new_tokens=rollout["max_new_tokens"], stop=data.GSM8K_STOP,
+                        temperature=rollout["temperature"], seed=rollout["seed"] + first,
                         progress=True)
+    rollouts = generate(model, tok, prompts[first:last], sampling)
     for r in rollouts:
         r.prompt_index += first
     rollouts = processes.joined(rollouts)
-    states, prompt_lengths, prompts = rollout_states(rollouts, stride)
+    states, prompt_lengths, prompts = rollout_states(rollouts, rollout["stride"])
     return dict(states=states, prompt_lengths=prompt_lengths, prompts=prompts,
                 texts=[r.text for r in rollouts])
 
@@ -259,12 +261,13 @@ def offpolicy_gap(model, tok, rows, max_new_tokens, seed=0):
     def nll(pairs):  # the base's mean per-token NLL of each (prompt, continuation)'s continuation
         sequences, starts = [p + c for p, c in pairs], [len(p) for p, _ in pairs]
         total, n = train.base_nll(train.base_logprobs(model, sequences, starts, tok.pad_id,
-                                                      max_tokens=4096))
+                                                      train.Passes(max_tokens=4096)))
         return total / max(1, n)
     gold = [data.gsm8k_gold_ids(tok, r) for r in rows]
     with lora.use_adapter(model, None):
-        own = generate(model, tok, [p for p, _ in gold], max_new_tokens=max_new_tokens,
-                       temperature=1.0, stop=data.GSM8K_STOP, seed=seed)
+        own = generate(model, tok, [p for p, _ in gold],
+                       Sampling(max_new_tokens=max_new_tokens, temperature=1.0,
+                                stop=data.GSM8K_STOP, seed=seed))
         return nll(gold), nll([(r.prompt_ids, r.completion_ids) for r in own if r.completion_ids])
 
 
@@ -331,15 +334,15 @@ def add_drift_args(p):
     p.add_argument("--seed", type=int, default=0, help="rollout and permutation seed")
 
 
-def base_rollouts(model, tok, prompts, train_rows, out, model_name, rollout):
+def base_rollouts(model, tok, prompts, train_rows, out, rollout):
     """The base model's rollouts of the prompts (collect with the flags in rollout) and its
     offpolicy_gap on the train rows, cached in out/drift_base.json for the runs measured
     later: a cache serves only rollouts of the same prompts (another --data-dir has others)
     taken with the same numbers, since another dtype or device rounds differently and the
     paired estimator would count that as drift."""
     weight = model.lm_head.weight
-    settings = dict(model=model_name, prompts=len(prompts), **rollout, device=weight.device.type,
-                    dtype=str(weight.dtype).removeprefix("torch."),
+    settings = dict(model=model.name_or_path, prompts=len(prompts), **rollout,
+                    device=weight.device.type, dtype=str(weight.dtype).removeprefix("torch."),
                     prompts_sha256=provenance.digest(prompts),
                     train_sha256=provenance.digest(train_rows))
     base = cached(out)
@@ -349,7 +352,7 @@ def base_rollouts(model, tok, prompts, train_rows, out, model_name, rollout):
         gold, own = offpolicy_gap(model, tok, train_rows, rollout["max_new_tokens"],
                                   rollout["seed"])
         base = dict(settings=settings, state_nll_gold=gold, state_nll_reference=own,
-                    **collect(model, tok, prompts, **rollout))
+                    **collect(model, tok, prompts, rollout))
         if not processes.RANK:  # under torchrun, one process writes
             os.makedirs(out, exist_ok=True)
             write_json(os.path.join(out, BASE_CACHE), base)
@@ -388,7 +391,7 @@ def main(argv=None):
     defaults = cli.left_unset(p, ("prompts", *ROLLOUT))  # not given: as the base's rollouts were
     args = p.parse_args(argv)
     args.out = args.out or os.path.dirname(os.path.normpath(args.runs[0])) or "."
-    cli.model_and_data_from(args, *args.runs)
+    cli.model_and_data_from(args, *map(provenance.run_record, args.runs))
     cli.unless_given(args, defaults, (cached(args.out) or {}).get("settings", {}),
                      os.path.join(args.out, BASE_CACHE))
     for run in args.runs:
@@ -398,11 +401,10 @@ def main(argv=None):
     test, train_rows = (data.load_gsm8k(split, args.data_dir) for split in ("test", "train"))
     if args.prompts > len(test):  # else fewer prompts than asked, and drift.json would say not so
         raise InputError(f"--prompts {args.prompts}: the GSM8K test split holds {len(test)} "
-                           f"questions; pass --prompts {len(test)} or fewer")
+                         f"questions; pass --prompts {len(test)} or fewer")
     prompts = [data.gsm8k_prompt(r["question"]) for r in test[:args.prompts]]
     rollout = {k: getattr(args, k) for k in ROLLOUT}
-    base = base_rollouts(model, tok, prompts, train_rows[:args.prompts], args.out, args.model,
-                         rollout)
+    base = base_rollouts(model, tok, prompts, train_rows[:args.prompts], args.out, rollout)
     rollouts = full_rollouts(base)
     X, x_prompts = featurize(model, tok, base, args.features, args.embed)
     bandwidth = median_bandwidth(X)
@@ -411,7 +413,7 @@ def main(argv=None):
     for i, run in enumerate(tqdm(args.runs, desc="drift")):
         lora.load_adapter(model, run, name=f"run{i}")
         model.eval()
-        ours = collect(model, tok, prompts, **rollout)
+        ours = collect(model, tok, prompts, rollout)
         Y, y_prompts = featurize(model, tok, ours, args.features, args.embed)
         mmd2, p_value = mmd2_test(X, Y, bandwidth, args.permutations, args.seed, x_prompts,
                                   y_prompts)

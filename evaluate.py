@@ -1,7 +1,6 @@
 """
 Evaluation: GSM8K accuracy (target task), MMLU and TruthfulQA multiple choice (retention),
-and forgetting and retention ratio against the base model (the paper's eq. 12); the
-table of a study's results is results.py's.
+forgetting and retention ratio against the base (the paper's eq. 12); a study's table: results.py.
 
     python evaluate.py base out/mild out/stress          # base model and two run folders
     python results.py out                               # their table, out/results.md
@@ -12,13 +11,14 @@ prompt with, and the table's column) and 5-shot (lm-eval's); MMLU 5-shot with th
 header, the prediction is the letter whose ' A'..' D' continuation is most likely;
 TruthfulQA MC1/MC2 with the six-question QA primer and summed log-likelihoods. Every score
 has its standard error over the questions as lm-evaluation-harness gives it, forgetting one
-that pairs each question with the base's answer, and each its fingerprint (provenance.py).
+that pairs each question with the base's answer, and each its fingerprint (plumbing/provenance.py).
 """
 import argparse
 import json
 import math
 import os
 import statistics
+from dataclasses import replace
 
 import torch
 from tqdm import tqdm
@@ -29,7 +29,7 @@ import model as M
 import train
 from plumbing import cli, processes, provenance, runs
 from plumbing.files import InputError, read_json, write_atomic, write_json
-from sample import generate, left_pad
+from sample import Sampling, generate, left_pad
 
 TASKS = ("gsm8k", "mmlu", "truthfulqa")
 RETENTION_TASKS = ("truthfulqa", "mmlu")  # the paper averages forgetting over these two
@@ -57,7 +57,7 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     # like lengths share a batch: less padding
     order = sorted(range(len(contexts)), key=lambda i: -len(ctx_ids[i]))
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
-    scores, mine = [], batches[slice(*processes.split(len(batches)))]  # torchrun: this process's share
+    scores, mine = [], batches[slice(*processes.split(len(batches)))]  # torchrun's share
     for batch in tqdm(mine, desc=desc, leave=False):
         conts = [c for i in batch for c in cont_ids[i]]
         owner = torch.tensor([q for q, i in enumerate(batch) for _ in cont_ids[i]], device=device)
@@ -98,21 +98,21 @@ def score_choices(model, tok, contexts, choices, batch_size=8, desc="scoring"):
     return results
 
 
-def complete(model, tok, prompts, batch_size, max_new_tokens, desc, n=1, temperature=0.0,
-             seed=None):
-    """n completions of each prompt (a list of n texts a prompt), in batches of like lengths;
-    seeded, batch b's draw from seed + b * batch_size * n on, as under torchrun."""
+def complete(model, tok, prompts, batch_size, sampling, desc):
+    """sampling.n completions of each prompt (a list of n texts a prompt), in batches of like
+    lengths; seeded, batch b's draw from seed + b * batch_size * n on, as under torchrun."""
+    n, seed = sampling.n, sampling.seed
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # like lengths together
     batches = [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
     texts = []
-    for b in tqdm(range(*processes.split(len(batches))), desc=desc, leave=False):  # torchrun: a share
+    for b in tqdm(range(*processes.split(len(batches))), desc=desc, leave=False):  # a share
         first = None if seed is None else seed + b * batch_size * n
-        outs = generate(model, tok, [prompts[i] for i in batches[b]], n=n, seed=first,
-                        max_new_tokens=max_new_tokens, temperature=temperature,
-                        stop=data.GSM8K_STOP)
+        outs = generate(model, tok, [prompts[i] for i in batches[b]],
+                        replace(sampling, seed=first))
         texts.append([r.text for r in outs])
     completions = {i: outs[k * n:(k + 1) * n]  # under torchrun, every process's batches
-                   for batch, outs in zip(batches, processes.joined(texts)) for k, i in enumerate(batch)}
+                   for batch, outs in zip(batches, processes.joined(texts))
+                   for k, i in enumerate(batch)}
     return [completions[i] for i in range(len(prompts))]
 
 
@@ -122,9 +122,10 @@ def eval_gsm8k(model, tok, rows, train_rows, shots, batch_size, max_new_tokens):
     lm-eval's."""
     if shots > len(train_rows):  # slicing would give fewer shots than asked, silently
         raise InputError(f"--gsm8k-fewshot {shots}: the train split holds {len(train_rows)} "
-                           f"examples; pass --gsm8k-fewshot {len(train_rows)} or fewer")
+                         f"examples; pass --gsm8k-fewshot {len(train_rows)} or fewer")
     prompts = data.gsm8k_fewshot_prompts([r["question"] for r in rows], train_rows, shots)
-    completions = complete(model, tok, prompts, batch_size, max_new_tokens, f"gsm8k {shots}-shot")
+    greedy = Sampling(max_new_tokens=max_new_tokens, temperature=0.0, stop=data.GSM8K_STOP)
+    completions = complete(model, tok, prompts, batch_size, greedy, f"gsm8k {shots}-shot")
     samples = []
     for i, (row, [text]) in enumerate(zip(rows, completions)):
         strict, flexible = (data.extract_answer(text, way) for way in ("strict", "flexible"))
@@ -150,8 +151,9 @@ def eval_gsm8k_samples(model, tok, rows, K, batch_size, max_new_tokens):
     """--samples K temperature-1 completions of each 0-shot GSM8K question of rows: pass@k for
     every k up to K, and the samples' mean accuracy (pass@1), each right by the flexible answer."""
     prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
-    completions = complete(model, tok, prompts, batch_size, max_new_tokens, f"gsm8k {K} samples",
-                           K, 1.0, SAMPLE_SEED)
+    drawn = Sampling(n=K, max_new_tokens=max_new_tokens, temperature=1.0, stop=data.GSM8K_STOP,
+                     seed=SAMPLE_SEED)
+    completions = complete(model, tok, prompts, batch_size, drawn, f"gsm8k {K} samples")
     samples = [dict(task="gsm8k_samples", index=i, prompt=prompts[i], completions=texts,
                     gold=row["gold"], correct=[data.same_number(data.extract_answer(t, "flexible"),
                                                                 row["gold"]) for t in texts])
@@ -171,7 +173,7 @@ def eval_mmlu(model, tok, data_dir, limit, shots, scoring, seed, batch_size):
     fewest, subject = min((len(dev.get(r["subject"], [])), r["subject"]) for r in rows)
     if shots > fewest:  # slicing would give that subject fewer shots than asked, silently
         raise InputError(f"--mmlu-shots {shots}: the dev split holds {fewest} examples of "
-                           f"{subject}; pass --mmlu-shots {fewest} or fewer")
+                         f"{subject}; pass --mmlu-shots {fewest} or fewer")
     prompts = [data.mmlu_prompt(r, dev.get(r["subject"], [])[:shots]) for r in rows]
     choices = [data.mmlu_continuations(r, scoring) for r in rows]
     lls = score_choices(model, tok, prompts, choices, batch_size, desc="mmlu")
@@ -258,7 +260,7 @@ def paired_stderr(base_samples, post_samples, base_folder):
             continue
         if base.keys() != post.keys() or any(base[i]["prompt"] != post[i]["prompt"] for i in post):
             raise InputError(f"the base's answers in {base_folder} are to other {task} questions "
-                               f"than this evaluation's; evaluate 'base' again with its flags")
+                             f"than this evaluation's; evaluate 'base' again with its flags")
         out[task] = standard_error([int(base[i]["correct"]) - int(post[i]["correct"])
                                     for i in sorted(post)])
     return out
@@ -331,30 +333,30 @@ def add_eval_args(p):
     p.add_argument("--seed", type=int, default=1234, help="seed of the MMLU subset")
 
 
-def evaluate(model, tok, data_dir, tasks, gsm8k_limit, gsm8k_fewshot, samples, max_new_tokens,
-             mmlu_limit, mmlu_shots, mmlu_scoring, truthfulqa_limit, batch_size, seed):
-    """Run the tasks on whatever adapter is active, with the flags add_eval_args gives (FLAGS);
-    returns (results, samples)."""
-    results, drawn = {}, []
-    for task in tasks.split(","):
+def evaluate(model, tok, data_dir, flags):
+    """Run the tasks on whatever adapter is active, with flags, the values of FLAGS by name
+    (add_eval_args gives them); returns (results, samples)."""
+    results, drawn, batch_size = {}, [], flags["batch_size"]
+    for task in flags["tasks"].split(","):
         if task == "gsm8k":
-            rows = data.load_gsm8k("test", data_dir)[:gsm8k_limit or None]
+            rows = data.load_gsm8k("test", data_dir)[:flags["gsm8k_limit"] or None]
             train_rows = data.load_gsm8k("train", data_dir)
-            for shots in [0] + [gsm8k_fewshot] * (gsm8k_fewshot > 0):
+            for shots in sorted({0, flags["gsm8k_fewshot"]}):  # 0-shot, and few-shot if asked
                 key = "gsm8k_fewshot" if shots else "gsm8k"  # eval.json's column
                 results[key], part = eval_gsm8k(model, tok, rows, train_rows, shots, batch_size,
-                                                max_new_tokens)
+                                                flags["max_new_tokens"])
                 drawn += part
-            if samples:
-                results["gsm8k_samples"], part = eval_gsm8k_samples(model, tok, rows, samples,
-                                                                    batch_size, max_new_tokens)
+            if flags["samples"]:
+                results["gsm8k_samples"], part = eval_gsm8k_samples(
+                    model, tok, rows, flags["samples"], batch_size, flags["max_new_tokens"])
                 drawn += part
         elif task == "mmlu":
-            results[task], part = eval_mmlu(model, tok, data_dir, mmlu_limit, mmlu_shots,
-                                            mmlu_scoring, seed, batch_size)
+            results[task], part = eval_mmlu(model, tok, data_dir, flags["mmlu_limit"],
+                                            flags["mmlu_shots"], flags["mmlu_scoring"],
+                                            flags["seed"], batch_size)
             drawn += part
         else:
-            results[task], part = eval_truthfulqa(model, tok, data_dir, truthfulqa_limit,
+            results[task], part = eval_truthfulqa(model, tok, data_dir, flags["truthfulqa_limit"],
                                                   batch_size)
             drawn += part
     return results, drawn
@@ -402,12 +404,12 @@ def main(argv=None):
     folders = [run for run in args.runs if run != "base"]
     args.out = args.out or (os.path.dirname(os.path.normpath(folders[0])) or "." if folders
                             else "out")
-    cli.model_and_data_from(args, *folders)
+    cli.model_and_data_from(args, *map(provenance.run_record, folders))
     for run in folders:
         runs.check_run_folder(run, args.model, also=", or 'base'")
     if "base" in args.runs and os.path.isfile(os.path.join(args.out, "adapter_config.json")):
         raise InputError(f"--out {args.out} is a run folder: the base's eval.json would replace "
-                           f"the run's; pass the folder that holds the runs (out, say)")
+                         f"the run's; pass the folder that holds the runs (out, say)")
     base_path = os.path.join(args.out, "eval.json")
     base = read_json(base_path) if args.runs[0] != "base" and os.path.isfile(base_path) else {}
     cli.unless_given(args, defaults, provenance.measured_with(base), base_path)  # or base anew
@@ -422,7 +424,7 @@ def main(argv=None):
     flags = {k: getattr(args, k) for k in FLAGS}
     # held while evaluated: a second evaluation would mix its eval.json with this one's samples,
     # and a run resumed meanwhile would leave these scores of an adapter it no longer holds
-    with runs.holding(*[args.out if run == "base" else run for run in args.runs], instead=""):
+    with runs.locked(*[args.out if run == "base" else run for run in args.runs], instead=""):
         model, tok = M.load(args.model, device, dtype)
         for i, run in enumerate(args.runs):
             folder, sha = args.out, None
@@ -430,7 +432,7 @@ def main(argv=None):
             if run != "base":
                 lora.load_adapter(model, run, name=f"run{i}")
                 folder, sha = run, model.lora_config[f"run{i}"]["sha256"]
-            scores, samples = evaluate(model, tok, args.data_dir, **flags)
+            scores, samples = evaluate(model, tok, args.data_dir, flags)
             for column, result in scores.items():  # what each number is of
                 result["fingerprint"] = provenance.fingerprint(column, vars(args), sha)
             scores, samples = with_other_tasks(folder, scores, samples, args.model, sha)

@@ -11,7 +11,6 @@ Files are PEFT's format (adapter_config.json + adapter_model.safetensors with ke
 base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight), so
 peft.PeftModel.from_pretrained opens our adapters and load_adapter opens theirs.
 """
-import hashlib
 import math
 import os
 
@@ -19,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from plumbing import provenance
 from plumbing.files import InputError, read_json, read_safetensors_file, write_atomic, write_json
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -252,9 +252,17 @@ def assign_adapter_tensors(model, state, name, source):
         raise InputError(f"{source}: some LoRA tensors are missing for adapter {name!r}")
 
 
-def load_adapter(model, folder, name="default", activate=True, trainable=False):
-    """Open a PEFT-format adapter folder (ours or peft's) as adapter `name`; its sha256 goes to
-    model.lora_config[name]["sha256"], naming the adapter an evaluation measured."""
+def restore_adapter(model, folder, name="default"):
+    """The weights saved in folder back into adapter `name`, of the same shapes, in place: a
+    resumed run's optimizer keeps its hold on them (runs.RunFolder)."""
+    path = os.path.join(folder, "adapter_model.safetensors")
+    assign_adapter_tensors(model, read_safetensors_file(path), name, path)
+
+
+def load_adapter(model, folder, name="default", activate=True, trainable=False, sha256=None):
+    """Open a PEFT-format adapter folder (ours or peft's) as adapter `name`; its sha256 (given,
+    where the caller hashed it already) goes to model.lora_config[name]["sha256"], naming the
+    adapter an evaluation measured."""
     cfg, state = read_adapter(folder)
     targets = cfg["target_modules"]
     targets = (targets,) if isinstance(targets, str) else tuple(targets)
@@ -267,21 +275,10 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False):
     for p in trainable_before:  # add_lora froze everything else: what trained before trains again
         p.requires_grad_(True)
     model.lora_config[name].update(base_model_name_or_path=cfg.get("base_model_name_or_path"),
-                                   sha256=adapter_sha256(folder))
+                                   sha256=sha256 or provenance.adapter_sha256(folder))
     if activate:
         set_adapter(model, name)
     return model
-
-
-def adapter_sha256(folder):
-    """The sha256 of folder's adapter weights (None where it holds none): which adapter an
-    eval.json or drift.json measured, so that a result of an adapter trained since is told
-    from one of the adapter there now."""
-    path = os.path.join(folder, "adapter_model.safetensors")
-    if not os.path.isfile(path):
-        return None
-    with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
 
 
 def update_norm(folder):

@@ -21,8 +21,8 @@ Signal source: the teacher, queried at those states.
                detached, through RL's clipped loss: a one-sample estimate of the gradient
                of --signal logits --kl reverse.
 
-A teacher is a run folder (the base + its adapter, sharing the student's frozen weights in
-memory; the student takes its --model and --data-dir and runs beside it) or a model id.
+A teacher is a run folder (its adapter on the student's frozen base, one copy in memory; the
+student takes its --model and --data-dir and runs beside it), a model folder or a hub id.
 
     python opd.py --teacher out/stress              # -> out/opd-stress
     python opd.py --teacher out/mild --signal logits --out out/opd-logits-mild
@@ -30,15 +30,16 @@ memory; the student takes its --model and --data-dir and runs beside it) or a mo
 """
 import argparse
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import data
 import lora
 import model as M
 import rl
 import train
-from plumbing import cli, processes, runs
-from sample import Rollout, generate, tokens_before_stop
+from plumbing import cli, processes, provenance, runs
+from plumbing.files import InputError
+from sample import Rollout, Sampling, generate, tokens_before_stop
 
 
 def parse_args(argv):
@@ -58,50 +59,93 @@ def parse_args(argv):
     p.add_argument("--continuation-tokens", type=cli.number(int, 1), default=32, help="(above)")
     p.add_argument("--log-state-kl", action="store_true", help="log the KL at the states too")
     cli.add_training_args(p, lr=1e-4, rank=16, alpha=32)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """--teacher as open_teacher found it: a run folder, or a model's (a hub id's download)."""
+    name: str  # as given
+    folder: str
+    is_run: bool = False
+    run: dict | None = None  # a run folder's run.json (None: a peft adapter without one)
+    sha256: str | None = None  # a run folder's adapter digest, kept in the student's run.json
+
+
+def open_teacher(name):
+    """--teacher classified, checked and fingerprinted once, before any model loads: a run
+    folder (its run.json read, its adapter hashed), a model folder, or a hub id (fetched)."""
+    if os.path.isdir(name) and not os.path.isfile(os.path.join(name, "config.json")):
+        run = runs.check_run_folder(name, None, also=", or a model folder (config.json)")
+        return Teacher(name, name, True, run, provenance.adapter_sha256(name))
+    return Teacher(name, M.model_folder(name, "--teacher"))
+
+
+def student_folder(args, teacher):
+    """--out where not given: opd-<teacher>[-<source>-states], beside a run-folder teacher
+    (out/toy/stress -> out/toy/opd-stress), else in out/."""
     source = "" if args.state_source == "student" else f"-{args.state_source}-states"
-    folder = os.path.normpath(args.teacher)
-    beside = os.path.dirname(folder) if os.path.isfile(os.path.join(folder, "run.json")) else "out"
-    args.out = args.out or os.path.join(beside, f"opd-{os.path.basename(folder)}{source}")
-    return args
+    folder = os.path.normpath(teacher.name)
+    beside = os.path.dirname(folder) if teacher.is_run else "out"
+    return os.path.join(beside, f"opd-{os.path.basename(folder)}{source}")
 
 
-def state_sources(weights, n, key):
-    """The state source of each of n prompts of a step, prompt i drawn from item_rng(key, i)."""
-    names = sorted(weights)
-    return [data.item_rng(key, i).choices(names, [weights[s] for s in names])[0]
+def load_teacher(model, tok, teacher, base):
+    """(teacher model, its adapter): adapter 'teacher' on the student's shared base, the base
+    itself (adapter None), or another model of the same tokenizer in a copy of its own."""
+    if teacher.is_run:
+        lora.load_adapter(model, teacher.folder, "teacher", activate=False, sha256=teacher.sha256)
+        return model, "teacher"
+    if provenance.same_model(teacher.name, base):  # the base itself, however spelt: no copy
+        return model, None
+    # token ids pass between the two models both ways, and their logits meet column by column
+    mismatch = InputError(f"--teacher {teacher.name} has another tokenizer or vocabulary than "
+                          f"--model {base}; pick a teacher of the student's model family")
+    if M.read_config(teacher.folder).vocab_size != model.config.vocab_size:
+        raise mismatch
+    net, teacher_tok = M.load(teacher.folder, model.lm_head.weight.device,
+                              model.lm_head.weight.dtype)
+    if teacher_tok.tok.get_vocab() != tok.tok.get_vocab():
+        raise mismatch
+    return net, None
+
+
+def state_sources(source_mix, n, rng_key):
+    """Each of n prompts' state source, prompt i's drawn by source_mix from item_rng(rng_key, i)."""
+    names = sorted(source_mix)
+    return [data.item_rng(rng_key, i).choices(names, [source_mix[s] for s in names])[0]
             for i in range(n)]
 
 
-def draw_states(source, model, teacher, tok, batch, max_new_tokens, temperature, seed):
+def draw_states(source, model, teacher, tok, batch, sampling):
     """The step's state trajectories, a Rollout a prompt. student: the student's own rollouts
     (OPD), with its sampler's log-probs; teacher: the teacher's (offline distillation); data:
     the gold solutions (SFT's states). Trajectories the student did not draw have no log-probs."""
     if source == "data":
         gold = [data.gsm8k_gold_ids(tok, r) for r in batch]
-        return [Rollout(p, a[:max_new_tokens], None, tok.decode(a[:max_new_tokens]), "data", i)
+        cut = sampling.max_new_tokens
+        return [Rollout(p, a[:cut], None, tok.decode(a[:cut]), "data", i)
                 for i, (p, a) in enumerate(gold)]
     sampler, adapter = (model, "default") if source == "student" else teacher
     with lora.use_adapter(sampler, adapter):
         rollouts = generate(sampler, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
-                            seed=seed, max_new_tokens=max_new_tokens, temperature=temperature,
-                            stop=data.GSM8K_STOP)
+                            sampling)
     return rollouts if source == "student" else [replace(r, logprobs=None) for r in rollouts]
 
 
-def teacher_continuations(teacher, tok, states, cuts, max_tokens, key):
+def teacher_continuations(teacher, tok, states, cuts, max_tokens, rng_key):
     """The teacher's greedy continuations, cut before a stop string, at `cuts` points of each
     trajectory before its own stop string (not inside a "\n\nQuestion:"), trajectory i's drawn
-    from (seed, step, first + i) = key + i: (sequences, starts) of prefix + teacher tokens."""
+    from (seed, step, first + i) = rng_key + i: (sequences, starts) of prefix + teacher tokens."""
     prefixes = []
     for i, r in enumerate(states):  # a cut at 0 (the prompt alone) at the least
         n = max(1, len(tokens_before_stop(tok, r.completion_ids, data.GSM8K_STOP)))
-        at = sorted(data.item_rng(key, i).sample(range(n), min(cuts, n)))
+        at = sorted(data.item_rng(rng_key, i).sample(range(n), min(cuts, n)))
         prefixes += [r.sequence[:r.start + t] for t in at]
     net, adapter = teacher
     with lora.use_adapter(net, adapter):
-        conts = generate(net, tok, prefixes, max_new_tokens=max_tokens, temperature=0,
-                         stop=data.GSM8K_STOP)
+        conts = generate(net, tok, prefixes, Sampling(max_new_tokens=max_tokens, temperature=0,
+                                                      stop=data.GSM8K_STOP))
     targets = [tokens_before_stop(tok, c.completion_ids, data.GSM8K_STOP) for c in conts]
     kept = [i for i, t in enumerate(targets) if t]  # one that stops at once teaches nothing
     return [prefixes[i] + targets[i] for i in kept], [len(prefixes[i]) for i in kept]
@@ -109,29 +153,35 @@ def teacher_continuations(teacher, tok, states, cuts, max_tokens, key):
 
 def main(argv=None):
     args = parse_args(argv)
-    weights = cli.mixture(args.state_source, ("student", "teacher", "data"), "--state-source")
-    device, dtype = cli.resolve(args, args.out if args.resume else None, args.teacher)
-    runs.check_teacher(args.teacher, args.model)  # before any model loads
+    source_mix = cli.mixture(args.state_source, ("student", "teacher", "data"), "--state-source")
+    opened = open_teacher(args.teacher)  # before any model loads: a mistyped path is said first
+    args.out = args.out or student_folder(args, opened)
+    device, dtype = cli.resolve(args, opened.run)
+    if opened.run is not None:
+        provenance.check_same_base(opened.folder, args.model, opened.run)
+    run = runs.RunFolder(args.out, vars(args), lora, pinned={"teacher_sha256": opened.sha256})
     model, tok = M.load(args.model, device, dtype)
-    teacher = runs.load_teacher(model, tok, args.teacher, args.model)  # (model, adapter)
-    run = runs.RunFolder(args.out, vars(args))
+    teacher = load_teacher(model, tok, opened, args.model)  # (model, adapter)
     optimizer = train.adapter_and_optimizer(model, args.rank, args.alpha, args.lora_dropout,
                                             args.lr, args.weight_decay, args.seed, args.recompute)
     rows = data.load_gsm8k("train", args.data_dir)
-    end = min(args.steps, args.max_steps) if args.max_steps else args.steps
-    passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
+    passes = train.Passes(args.grad_accum, args.micro_batch_tokens)
     state_kl = args.kl if args.log_state_kl and args.signal != "logits" else None
 
-    for step in run.steps(model, optimizer, end, f"opd-{args.signal}"):
+    def loss_of(sequences, starts):  # the teacher's signal on one pass's sequences
+        return signal_loss(model, teacher, sequences, starts, args.signal, args.kl, tok.pad_id)
+
+    for step in run.steps(model, optimizer, args.steps, f"opd-{args.signal}"):
         picked = data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)
-        first, last = processes.split(len(picked), "--prompts-per-step")  # torchrun: this process's
-        batch, key = [rows[i] for i in picked[first:last]], (args.seed, step, first)
+        first, last = processes.split(len(picked), "--prompts-per-step")  # torchrun's share
+        batch, rng_key = [rows[i] for i in picked[first:last]], (args.seed, step, first)
 
         # the state source: the student's own trajectories (or the teacher's, or the dataset's)
         model.eval()
-        sources = state_sources(weights, len(batch), key)
-        drawn = {s: draw_states(s, model, teacher, tok, batch, args.max_new_tokens,
-                                args.temperature, run.step_seed(step) + first)
+        sources = state_sources(source_mix, len(batch), rng_key)
+        sampling = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            stop=data.GSM8K_STOP, seed=run.step_seed(step) + first)
+        drawn = {s: draw_states(s, model, teacher, tok, batch, sampling)
                  for s in set(sources)}  # each source every prompt: its own stream, mixed or not
         states = [drawn[s][i] for i, s in enumerate(sources)]  # each prompt's from its source
         sequences, starts = [r.sequence for r in states], [r.start for r in states]
@@ -140,21 +190,22 @@ def main(argv=None):
         # the signal: the teacher's continuations at the cut points, or its distributions
         if args.signal == "continuation":
             sequences, starts = teacher_continuations(teacher, tok, states, args.cuts,
-                                                      args.continuation_tokens, key)
+                                                      args.continuation_tokens, rng_key)
         model.train()
-        loss, _, n_tokens = train.backward(lambda seqs, sts: signal_loss(
-            model, teacher, seqs, sts, args.signal, args.kl, tok.pad_id), sequences, starts,
-            *passes)
+        loss, _, n_tokens = train.backward(loss_of, sequences, starts, passes)
         run.check_finite(step + 1, loss)
         lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup,
                                              args.grad_clip)
 
+        record = dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens)
+        if args.signal == "logits":  # its loss is the KL at the states
+            record["state_kl"] = loss
         rewards = [float(data.is_correct(r.text, row["gold"])) for r, row in zip(states, batch)]
-        shares = {f"share_{s}": (sources.count(s), len(sources)) for s in weights}
-        run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
-                     **({"state_kl": loss} if args.signal == "logits" else {})),
-                reward=(sum(rewards), len(rewards)), **(shares if len(weights) > 1 else {}),
-                completion_len=(measures["state_nll"][1], len(rewards)), **measures)
+        means = dict(reward=(sum(rewards), len(rewards)))
+        if len(source_mix) > 1:  # a mixture: the share of the states each source drew
+            means.update({f"share_{s}": (sources.count(s), len(sources)) for s in source_mix})
+        means["completion_len"] = (sum(len(r.completion_ids) for r in states), len(states))
+        run.log(record, **means, **measures)
     print(f"done: adapter in {args.out}")
 
 
@@ -165,7 +216,7 @@ def where_states_lie(model, teacher, states, pad_id, passes, kl=None):
     out = dict(state_nll=train.learner_nll(model, sequences, starts,
                                            [r.logprobs for r in states], pad_id))
     out["state_nll_base"] = train.base_nll(train.base_logprobs(model, sequences, starts, pad_id,
-                                                               *passes))
+                                                               passes))
     if kl is not None:
         student_h = train.frozen_states(model, "default", sequences, starts, pad_id)[0]
         teacher_h = train.frozen_states(*teacher, sequences, starts, pad_id)[0]

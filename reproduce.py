@@ -172,7 +172,8 @@ def build_smoke_model(folder, data_dir):
     os.makedirs(folder, exist_ok=True)
     rows = data.load_gsm8k("train", data_dir)[:2000]
     texts = [f"Question: {r['question']}\nAnswer: {r['answer']}" for r in rows]
-    tok_path = organism.train_tokenizer(texts, os.path.join(folder, "tokenizer.json"), vocab_size=512)
+    tok_path = organism.train_tokenizer(texts, os.path.join(folder, "tokenizer.json"),
+                                        vocab_size=512)
     config = M.Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128,
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -267,7 +268,7 @@ def chosen(conditions, names, out):
     unknown = sorted(set(names) - set(known))
     if unknown:
         raise InputError(f"--conditions: no condition {', '.join(unknown)} in this study; "
-                              f"pick from {','.join(known)}")
+                         f"pick from {','.join(known)}")
     teacher, keep = teachers(conditions, out), [n for n in conditions if runs.condition(n) in names]
     for name in keep:  # grows as it goes: a teacher's own teacher comes too
         if teacher[name] and teacher[name] not in keep:
@@ -327,15 +328,15 @@ def main(argv=None):
     args.jobs = args.jobs or (min(4, torch.get_num_threads()) if on_cpu else 1)
     if processes.WORLD > 1:  # every process would run the whole study and write the same files
         raise InputError("reproduce.py runs in one process; under torchrun, run the study's "
-                              "scripts one by one (README: More than one GPU)")
+                         "scripts one by one (README: More than one GPU)")
     args.study = "frontier" if args.study == "pressure" else args.study  # its name before
     if args.study == "frontier" and args.preset not in FRONTIER:
         raise InputError(f"--study frontier is a toy study: pass --preset "
-                              f"{' or '.join(FRONTIER)}")
+                         f"{' or '.join(FRONTIER)}")
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
     out = os.path.join(out, "frontier") if args.study == "frontier" and not args.out else out
     # held: a second reproduce.py in the same folder would train the same runs at once
-    with runs.holding(out):
+    with runs.locked(out):
         study(args, PRESETS[args.preset], out)
 
 
@@ -345,7 +346,8 @@ def base_model(args, preset, out):
     if preset["model"] == "toy":
         t0 = time.time()
         toy_args = cli.parsed(organism.add_toy_args, preset["toy"])
-        data_dir, model = organism.pretrain(out, toy_args, None if args.pretrain else organism.SHIPPED)
+        shipped = None if args.pretrain else organism.SHIPPED
+        data_dir, model = organism.pretrain(out, toy_args, shipped)
         print(f"toy world and base model ready ({time.time() - t0:.0f}s)")
         return args.model or model, data_dir
     data_dir = data.resolve_data_dir(args.data_dir)

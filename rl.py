@@ -23,10 +23,11 @@ import argparse
 import torch
 
 import data
+import lora
 import model as M
 import train
 from plumbing import cli, processes, runs
-from sample import generate
+from sample import Sampling, generate
 
 
 def parse_args(argv):
@@ -80,43 +81,42 @@ def exact_answer_reward(rollout, row):
 
 def main(argv=None, reward_fn=exact_answer_reward):
     args = parse_args(argv)
-    device, dtype = cli.resolve(args, args.out if args.resume else None)
-    run = runs.RunFolder(args.out, vars(args))
+    device, dtype = cli.resolve(args)
+    run = runs.RunFolder(args.out, vars(args), lora)
     model, tok = M.load(args.model, device, dtype)
     optimizer = train.adapter_and_optimizer(model, args.rank, args.alpha, args.lora_dropout,
                                             args.lr, args.weight_decay, args.seed, args.recompute)
     rows = data.load_gsm8k("train", args.data_dir)
-    end = min(args.steps, args.max_steps) if args.max_steps else args.steps
-    passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
+    passes = train.Passes(args.grad_accum, args.micro_batch_tokens)
 
-    for step in run.steps(model, optimizer, end, "rl"):
+    def loss_of(sequences, starts, old_logp, advantages, ref_logp):  # a pass's share of each
+        logp, _ = train.sequence_logprobs(model, sequences, starts, tok.pad_id)
+        return policy_loss(logp, old_logp, advantages, args.clip, ref_logp, args.kl_coef)
+
+    for step in run.steps(model, optimizer, args.steps, "rl"):
         picked = data.batch_indices(len(rows), step, args.prompts_per_step, args.seed)
-        first, last = processes.split(len(picked), "--prompts-per-step")  # torchrun: this process's
+        first, last = processes.split(len(picked), "--prompts-per-step")  # torchrun's share
         batch = [rows[i] for i in picked[first:last]]
 
         # the state source: the current policy samples its own trajectories
         model.eval()
-        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch],
-                            n=args.group_size, max_new_tokens=args.max_new_tokens,
+        sampling = Sampling(n=args.group_size, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, stop=data.GSM8K_STOP,
                             seed=run.step_seed(step) + first * args.group_size)
+        rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], sampling)
         sequences, starts = [r.sequence for r in rollouts], [r.start for r in rollouts]
         # the signal: each sample's reward against its prompt's others, on each of its tokens
         rewards = [reward_fn(r, batch[r.prompt_index]) for r in rollouts]
         advantages = [torch.full((len(r.completion_ids),), a, device=device) for r, a in
                       zip(rollouts, group_advantages(rewards, args.group_size).tolist())]
-        sampled = [torch.tensor(r.logprobs, device=device) for r in rollouts]  # "old" policy
-        base = train.base_logprobs(model, sequences, starts, tok.pad_id, *passes)  # KL's ref
-
-        def loss_of(seqs, sts, sampled, advantages, base):  # one pass's share of each, joined
-            logp, _ = train.sequence_logprobs(model, seqs, sts, tok.pad_id)
-            return policy_loss(logp, sampled, advantages, args.clip, base, args.kl_coef)
+        sampler_logp = [torch.tensor(r.logprobs, device=device) for r in rollouts]  # "old"
+        base_logp = train.base_logprobs(model, sequences, starts, tok.pad_id, passes)  # KL's ref
 
         model.train()
         for _ in range(args.ppo_epochs):  # at 1 epoch, on policy: the ratio is 1, no clip acts
-            loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, *passes,
-                                                     sampled=sampled, advantages=advantages,
-                                                     base=base)
+            loss, metrics, n_tokens = train.backward(
+                loss_of, sequences, starts, passes, old_logp=sampler_logp, advantages=advantages,
+                ref_logp=base_logp)
             run.check_finite(step + 1, loss)
             lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup,
                                                  args.grad_clip)
@@ -124,14 +124,15 @@ def main(argv=None, reward_fn=exact_answer_reward):
         # each token's |trainer - sampler| log-prob gap (the last epoch's): its tail shows bf16's
         p95 = torch.tensor(processes.joined(metrics.pop("gaps").tolist())).quantile(0.95).item()
         groups = torch.tensor(rewards).view(-1, args.group_size)
+        n_sampled = sum(map(len, sampler_logp))
         # the states RL trains on are the policy's own: their NLL is that of its samples
         run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
                      sampler_gap_p95=p95, **metrics),
                 reward=(sum(rewards), len(rewards)),
                 no_signal_frac=((groups.std(1) == 0).sum().item(), len(groups)),
-                completion_len=(sum(map(len, sampled)), len(rollouts)),
-                state_nll=(-sum(map(sum, (r.logprobs for r in rollouts))), sum(map(len, sampled))),
-                state_nll_base=train.base_nll(base))
+                completion_len=(n_sampled, len(rollouts)),
+                state_nll=(-sum(sum(r.logprobs) for r in rollouts), n_sampled),
+                state_nll_base=train.base_nll(base_logp))
     print(f"done: adapter in {args.out}")
 
 

@@ -100,8 +100,7 @@ def prefill(model, prompt_ids, n, pad_id, max_new_tokens):
     ids, mask = left_pad([prompt_ids[h] for h in hosts], pad_id, device)
     cache = model.new_cache(len(hosts), ids.shape[1] + max_new_tokens)
     hidden = model(ids, attention_mask=mask, cache=cache, hidden_only=True)
-    # each prompt's row, and the column after its last token: its row's end, less what the row
-    # holds beyond it
+    # each prompt's row, and the column after its last token: its row's end less what lies past
     host = [next(k for k, h in enumerate(hosts) if prompt_ids[h][:len(p)] == p) for p in prompt_ids]
     end = torch.tensor([ids.shape[1] - len(prompt_ids[hosts[k]]) + len(p)
                         for k, p in zip(host, prompt_ids)], device=device)
@@ -161,15 +160,25 @@ class FixedShapeDecoder:
         return self.logits
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """How generate draws: n samples a prompt, at most max_new_tokens each, at temperature (0:
+    greedy), cut at the first stop string; with a seed, sample r (prompt r // n) draws from its
+    own generator, seed + r, whatever else is in the batch; progress: a bar over the tokens."""
+    n: int = 1
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    stop: tuple = ()
+    seed: int | None = None
+    progress: bool = False
+
+
 @torch.no_grad()
-def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, stop=(),
-             seed=None, progress=False, decode="auto"):
-    """Sample n completions for each prompt (strings or lists of token ids); greedy when
-    temperature == 0. With a seed, sample r = i * n + j (prompt i, sample j) draws from a
-    generator seeded with seed + r. decode picks the loop: "dropping" (finished rows leave
-    the batch), "graph" (a captured CUDA graph), "fixed" (the graph's fixed-shape step run
-    eagerly), or "auto": $STATES_DECODE if set, else graph on CUDA and dropping elsewhere.
-    All give the same tokens. Returns a list of Rollout, prompt-major."""
+def generate(model, tokenizer, prompts, sampling=Sampling(), decode="auto"):
+    """Completions of prompts (strings or lists of token ids) drawn as sampling says, a list of
+    Rollout, prompt-major. decode picks the loop, each giving the same tokens: "dropping"
+    (finished rows leave the batch), "graph" (a captured CUDA graph), "fixed" (the graph's
+    fixed-shape step run eagerly), or "auto": $STATES_DECODE, else graph on CUDA, else dropping."""
     cuda = model.lm_head.weight.device.type == "cuda"
     if decode == "auto":
         decode = os.environ.get("STATES_DECODE") or ("graph" if cuda else "dropping")
@@ -182,24 +191,23 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     if not prompt_ids:
         return []
     with lora.folded(model):
-        return decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature,
-                           tuple(stop), seed, progress, decode)
+        return decode_loop(model, tokenizer, prompt_ids, sampling, decode)
 
 
-def decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, stop, seed, progress,
-                decode):
+def decode_loop(model, tokenizer, prompt_ids, sampling, decode):
+    n, max_new_tokens, stop = sampling.n, sampling.max_new_tokens, tuple(sampling.stop)
     device = model.lm_head.weight.device
     R = len(prompt_ids) * n
     cache, mask, logits = prefill(model, prompt_ids, n, tokenizer.pad_id, max_new_tokens)
     decoder = (None if decode == "dropping"
                else FixedShapeDecoder(model, cache, mask, decode == "graph"))
-    generators = None if seed is None else [
-        torch.Generator().manual_seed(seed + r) for r in range(R)]
+    generators = None if sampling.seed is None else [
+        torch.Generator().manual_seed(sampling.seed + r) for r in range(R)]
     tail = 4 * max(map(len, stop), default=0) + 4  # enough tokens to hold any stop string
     completions, logprobs, finish = [[] for _ in range(R)], [[] for _ in range(R)], ["length"] * R
     in_batch = list(range(R))  # which sample each row of the batch is
     steps = range(max_new_tokens)
-    if progress:
+    if sampling.progress:
         from tqdm import tqdm
         steps = tqdm(steps, desc="sampling", leave=False)
     for step in steps:
@@ -208,7 +216,7 @@ def decode_loop(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, st
         else:
             uniforms = torch.cat([torch.rand(1, generator=generators[r]) for r in in_batch])
             uniforms = uniforms.to(device)
-        tokens, token_logprobs = draw(logits, temperature, uniforms)
+        tokens, token_logprobs = draw(logits, sampling.temperature, uniforms)
         keep = []  # the rows still sampling after this token
         for row, (r, t, lp) in enumerate(zip(in_batch, tokens.tolist(), token_logprobs.tolist())):
             if finish[r] != "length":  # finished earlier, still in a fixed-shape batch

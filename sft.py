@@ -24,7 +24,7 @@ import model as M
 import train
 from plumbing import cli, processes, runs
 from plumbing.files import InputError
-from sample import generate, tokens_before_stop
+from sample import Sampling, generate, tokens_before_stop
 
 PRESETS = {"mild": dict(epochs=1, lr=1e-4, rank=16, alpha=32),
            "stress": dict(epochs=5, lr=5e-4, rank=64, alpha=128)}
@@ -52,8 +52,8 @@ def parse_args(argv):
 
 def main(argv=None):
     args = parse_args(argv)
-    device, dtype = cli.resolve(args, args.out if args.resume else None)
-    run = runs.RunFolder(args.out, vars(args))
+    device, dtype = cli.resolve(args)
+    run = runs.RunFolder(args.out, vars(args), lora)
     model, tok = M.load(args.model, device, dtype)
     optimizer = train.adapter_and_optimizer(model, args.rank, args.alpha, args.lora_dropout,
                                             args.lr, args.weight_decay, args.seed, args.recompute)
@@ -61,42 +61,46 @@ def main(argv=None):
     # the state source: (prompt, answer + end-of-text) pairs, the dataset's or the base's own
     rows = data.load_gsm8k("train", args.data_dir)[:args.train_limit or None]  # 0: all
     gold = data.with_wrong_answers(rows, args.wrong_answers, args.seed)  # all right by default
+    sampling = Sampling(n=args.samples_per_prompt, max_new_tokens=args.max_new_tokens,
+                        temperature=1.0, stop=data.GSM8K_STOP, seed=args.seed)
     pairs = ([data.gsm8k_gold_ids(tok, r) for r in gold] if args.answers == "gold" else
-             right_samples(model, tok, rows, args.samples_per_prompt, args.max_new_tokens,
-                           args.seed))
+             right_samples(model, tok, rows, sampling))
     examples = data.sft_examples(pairs, args.max_length)  # (ids, where the answer starts) each
     total = math.ceil(args.epochs * math.ceil(len(examples) / args.batch_size))  # the schedule
-    passes = args.grad_accum, args.micro_batch_tokens  # a step's forward-backward passes
+    passes = train.Passes(args.grad_accum, args.micro_batch_tokens)
+
+    def loss_of(sequences, starts):  # the signal: cross-entropy on the gold next tokens
+        logp, _ = train.sequence_logprobs(model, sequences, starts, tok.pad_id)
+        return train.token_nll(logp)
 
     base_logp = {}  # example -> the base's log-probs of its answer: no step changes them
-    for step in run.steps(model, optimizer, min(total, args.max_steps or total), "sft"):
+    for step in run.steps(model, optimizer, total, "sft"):
         picked = data.batch_indices(len(examples), step, args.batch_size, args.seed)
-        picked = picked[slice(*processes.split(len(picked), "--batch-size"))]  # torchrun: a share
+        picked = picked[slice(*processes.split(len(picked), "--batch-size"))]  # torchrun's share
         sequences, starts = [examples[i][0] for i in picked], [examples[i][1] for i in picked]
 
-        # the signal: the gold next token at every state of the answer
         model.train()
-        loss, _, n_tokens = train.backward(lambda seqs, sts: train.token_nll(
-            train.sequence_logprobs(model, seqs, sts, tok.pad_id)[0]), sequences, starts, *passes)
+        loss, _, n_tokens = train.backward(loss_of, sequences, starts, passes)
         run.check_finite(step + 1, loss)
         lr, grad_norm = train.optimizer_step(optimizer, step, total, args.lr, args.warmup,
                                              args.grad_clip)
+
         # SFT's states are dataset prefixes: their NLL under the learner is the loss itself
         new = [i for i in picked if i not in base_logp]
         seqs, sts = [examples[i][0] for i in new], [examples[i][1] for i in new]
-        base_logp.update(zip(new, train.base_logprobs(model, seqs, sts, tok.pad_id, *passes)))
+        base_logp.update(zip(new, train.base_logprobs(model, seqs, sts, tok.pad_id, passes)))
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss,
                      state_nll=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens),
                 state_nll_base=train.base_nll([base_logp[i] for i in picked]))
     print(f"done: adapter in {args.out}")
 
 
-def right_samples(model, tok, rows, n, max_new_tokens, seed):
-    """(prompt, answer + end-of-text) ids of the base's right samples (n a row), cut at a stop."""
+def right_samples(model, tok, rows, sampling):
+    """(prompt, answer + end-of-text) ids of the base's right samples (sampling.n a row), cut
+    at a stop."""
     prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
     with lora.use_adapter(model.eval(), None):
-        drawn = generate(model, tok, prompts, n=n, temperature=1.0, seed=seed,
-                         max_new_tokens=max_new_tokens, stop=data.GSM8K_STOP)
+        drawn = generate(model, tok, prompts, sampling)
     right = [r for r in drawn if data.is_correct(r.text, rows[r.prompt_index]["gold"])]  # RL's
     print(f"--answers samples: {len(right)} of {len(drawn)} samples right")
     if not right:

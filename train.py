@@ -19,6 +19,7 @@ len(seq)) are trained on, each with its next token seq[t] as the target. One ste
   optimizer_step                        the learning-rate schedule, clipping, AdamW
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -135,12 +136,12 @@ def frozen_states(net, adapter, sequences, starts, pad_id=0):
 
 
 @torch.no_grad()
-def base_logprobs(model, sequences, starts, pad_id=0, grad_accum=1, max_tokens=0):
+def base_logprobs(model, sequences, starts, pad_id=0, passes=None):
     """Each sequence's log-probs of its trained tokens under the frozen base model (the adapter
-    off), (len(seq) - start,) each, in the micro-batches backward runs (micro_batches)."""
-    out = [None] * len(sequences)
+    off), (len(seq) - start,) each, in the passes backward runs (Passes)."""
+    out, passes = [None] * len(sequences), passes or Passes()
     with lora.use_adapter(model, None):
-        for part in micro_batches(list(map(len, sequences)), grad_accum, max_tokens):
+        for part in micro_batches(list(map(len, sequences)), passes.grad_accum, passes.max_tokens):
             seqs, sts = [sequences[i] for i in part], [starts[i] for i in part]
             logp, _ = sequence_logprobs(model, seqs, sts, pad_id)
             for i, values in zip(part, logp.split([len(sequences[i]) - starts[i] for i in part])):
@@ -211,6 +212,14 @@ def chunked(fn, chunk_size, *tensors):
 # -----------------------------------------------------------------------------
 # one step: micro-batches, the backward pass, the optimizer
 
+@dataclass(frozen=True)
+class Passes:
+    """How a step's sequences split into forward-backward passes (micro_batches): at least
+    grad_accum of them, each at most max_tokens tokens, padding included (0: no bound)."""
+    grad_accum: int = 1
+    max_tokens: int = 0
+
+
 def micro_batches(lengths, grad_accum=1, max_tokens=0):
     """Index lists splitting a step's sequences (of these lengths) into forward and backward
     passes: at least grad_accum of them (where there are as many sequences), longest first
@@ -230,10 +239,11 @@ def micro_batches(lengths, grad_accum=1, max_tokens=0):
     return passes
 
 
-def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_sequence):
+def backward(loss_of, sequences, starts, passes=None, **per_sequence):
     """One step's backward pass over the trained tokens of sequences (seq[start:] of each), in
-    micro_batches. per_sequence: lists of one tensor a sequence, a value a trained token (the
-    sampler's log-probs, the advantages); each pass gets its share, joined, under the same name.
+    the forward-backward passes `passes` says (Passes; default one). per_sequence: lists of
+    one tensor a sequence, a value a trained token (the sampler's log-probs, the advantages);
+    each pass gets its share, joined, under the same name.
     loss_of(sequences, starts, **shares) returns (loss, metrics) summed over the pass's tokens
     (a metric that is a tensor, a value a token, is joined instead). Each pass's loss is divided
     by the step's tokens over every process, so the gradients add up to the token mean of the
@@ -241,7 +251,8 @@ def backward(loss_of, sequences, starts, grad_accum=1, max_tokens=0, **per_seque
     each metric's token mean or joined tensor, the step's tokens)."""
     n_tokens = processes.summed(sum(len(s) - start for s, start in zip(sequences, starts)))[0]
     loss_sum, sums, parts = 0.0, {}, {}
-    for part in micro_batches(list(map(len, sequences)), grad_accum, max_tokens):
+    passes = passes or Passes()
+    for part in micro_batches(list(map(len, sequences)), passes.grad_accum, passes.max_tokens):
         shares = {k: torch.cat([v[i] for i in part]) for k, v in per_sequence.items()}
         loss, metrics = loss_of([sequences[i] for i in part], [starts[i] for i in part], **shares)
         (loss / n_tokens).backward()

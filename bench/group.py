@@ -20,7 +20,7 @@ import torch
 
 from common import NoStopTokenizer, add_args, build, markdown, race, random_ids, ratio, setup
 import lora  # noqa: E402  (common put the repository on the path)
-from sample import generate  # noqa: E402
+from sample import Sampling, generate  # noqa: E402
 
 
 def row_of(args, name, device):
@@ -40,7 +40,7 @@ def row_of(args, name, device):
     ours.eval(), theirs.eval()
     ids = random_ids(args.config, (args.prompts, args.prompt_tokens), seed=0).to(device)
     n, k = args.new_tokens, args.samples
-    mine = lambda: generate(ours, NoStopTokenizer(), ids.tolist(), n=k, max_new_tokens=n, temperature=1.0, seed=0)
+    mine = lambda: generate(ours, NoStopTokenizer(), ids.tolist(), Sampling(n=k, max_new_tokens=n, temperature=1.0, seed=0))
     peft_side = lambda: theirs.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                         num_return_sequences=k, max_new_tokens=n, min_new_tokens=n, pad_token_id=0,
                                         eos_token_id=None, top_k=0, top_p=1.0, temperature=1.0)

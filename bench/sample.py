@@ -20,7 +20,7 @@ import argparse
 import torch
 
 from common import NoStopTokenizer, add_args, build, markdown, race, random_ids, ratio, setup
-from sample import generate
+from sample import Sampling, generate
 
 
 def rows_of(args, name, device):
@@ -32,7 +32,7 @@ def rows_of(args, name, device):
         n = args.new_tokens
         theirs = lambda: ref.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                       max_new_tokens=n, min_new_tokens=n, pad_token_id=0, eos_token_id=None)
-        mine = lambda: generate(ours, NoStopTokenizer(), ids.tolist(), max_new_tokens=n, temperature=0)
+        mine = lambda: generate(ours, NoStopTokenizer(), ids.tolist(), Sampling(max_new_tokens=n, temperature=0))
         with torch.no_grad():
             rounds, (out_ref, out_ours) = race([theirs, mine], device, args.repeats)
         best = [min(t) for t in zip(*rounds)]
@@ -60,7 +60,7 @@ def adapter_rows_of(args, name, device):
         ids = random_ids(args.config, (B, args.prompt_tokens), seed=B).tolist()
         n = args.new_tokens
         # generate folds in fp32: lora.merge stands for it there too
-        run = lambda m: lambda: generate(m, NoStopTokenizer(), ids, max_new_tokens=n, temperature=0)
+        run = lambda m: lambda: generate(m, NoStopTokenizer(), ids, Sampling(max_new_tokens=n, temperature=0))
         with torch.no_grad():
             rounds, _ = race([run(merged), run(ours)], device, args.repeats)
         best = [min(t) for t in zip(*rounds)]

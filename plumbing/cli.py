@@ -112,17 +112,16 @@ def device_from_args(args):
     return device, dtype
 
 
-def model_and_data_from(args, *folders):
-    """--model and --data-dir, where not given, from the run.json of the first of folders (a
-    teacher, a run to resume or evaluate) that names them, else the defaults; printed with
-    where they came from."""
+def model_and_data_from(args, *records):
+    """--model and --data-dir, where not given, from the first of records (the run.json of a
+    run to resume, a teacher, runs to evaluate; None: none) that names them, else the
+    defaults; printed with where they came from."""
     for name in ("model", "data_dir"):
         source = "given" if getattr(args, name) is not None else "default"
-        for folder in filter(None, folders if getattr(args, name) is None else ()):
-            value = (provenance.run_record(folder) or {}).get(name)
-            if value is not None:
-                setattr(args, name, value)
-                source = f"from {os.path.join(folder, 'run.json')}"
+        for record in filter(None, records if getattr(args, name) is None else ()):
+            if record.get(name) is not None:
+                setattr(args, name, record[name])
+                source = f"from the run.json of {record.get('out', 'a run')}"
                 break
         if getattr(args, name) is None and name == "model":
             args.model = DEFAULT_MODEL
@@ -148,9 +147,11 @@ def unless_given(args, defaults, record, where):
                 print(f"--{name.replace('_', '-')} {getattr(args, name)} (from {where})")
 
 
-def resolve(args, *folders):
-    """A training script's start: model_and_data_from, every setting printed, the device."""
-    model_and_data_from(args, *folders)
+def resolve(args, *records):
+    """A training script's start: model_and_data_from the run.json of the run to resume (with
+    --resume) and of records (a teacher's), every setting printed, the device."""
+    resumed = provenance.run_record(args.out) if args.resume else None
+    model_and_data_from(args, resumed, *records)
     print(vars(args))
     return device_from_args(args)
 

@@ -11,7 +11,6 @@ import hashlib
 import json
 import os
 
-import lora
 from plumbing.files import InputError, read_json
 
 # the flags that decide each kind of result: an eval.json column, a drift.json
@@ -27,6 +26,17 @@ FLAGS = {"gsm8k": ("gsm8k_limit", "max_new_tokens"),
 def digest(value):
     """One sha256 of a JSON value: the toy base's settings, world and code; drift's prompts."""
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def adapter_sha256(folder):
+    """The sha256 of folder's adapter weights (None where it holds none): which adapter an
+    eval.json or drift.json measured, so that a result of an adapter trained since is told
+    from one of the adapter there now, and which teacher a student was distilled from."""
+    path = os.path.join(folder, "adapter_model.safetensors")
+    if not os.path.isfile(path):
+        return None
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def model_identity(model):
@@ -71,7 +81,7 @@ def current(folder, file, kinds, settings):
     path = os.path.join(folder, file)
     if not os.path.isfile(path):
         return False
-    found, sha = read_json(path), lora.adapter_sha256(folder)  # None for the base's folder
+    found, sha = read_json(path), adapter_sha256(folder)  # None for the base's folder
     return all(first_difference(found.get(kind, found).get("fingerprint", {}),
                                 fingerprint(kind, settings, sha)) is None for kind in kinds)
 
@@ -108,7 +118,7 @@ def check_comparable(measured):
     folder, column, fingerprint, the script that measures it) for every number."""
     first = {}
     for name, folder, column, found, script in measured:
-        sha = lora.adapter_sha256(folder) if name != "base" else None
+        sha = adapter_sha256(folder) if name != "base" else None
         if found.get("adapter_sha256") != sha:
             raise InputError(f"{folder}'s {column} was measured on another adapter than the one "
                              f"there now (trained since, or measured by an earlier version of "
@@ -132,11 +142,12 @@ def run_record(folder):
     return read_json(path) if os.path.isfile(path) else None
 
 
-def check_same_base(folder, model):
-    """Stop when the run in folder was trained on another base than `model`: its adapter on
-    another base of the same shapes would load without a word and give numbers that mean
-    nothing. A folder without run.json (a peft adapter) is not checked."""
-    trained_on = (run_record(folder) or {}).get("model")
+def check_same_base(folder, model, record=None):
+    """Stop when the run in folder (its run.json: record, read where not given) was trained on
+    another base than `model`: its adapter on another base of the same shapes would load
+    without a word and give numbers that mean nothing. A folder without run.json (a peft
+    adapter) is not checked."""
+    trained_on = (record or run_record(folder) or {}).get("model")
     same = same_model(trained_on, model) if trained_on else True
     if same is None:
         print(f"note: {folder} was trained on base {trained_on}, which cannot be compared with "
@@ -146,13 +157,12 @@ def check_same_base(folder, model):
                          f"pass --model {trained_on}")
 
 
-def teacher_changed(folder, teacher_sha256=None):
+def teacher_changed(folder):
     """Whether the run in folder was distilled from a run-folder teacher whose adapter is not
-    the one there now (or, given, not teacher_sha256): run.json keeps its sha256."""
+    the one there now: run.json keeps its sha256."""
     run = run_record(folder) or {}
     recorded = run.get("teacher_sha256")
-    return recorded is not None and recorded != (teacher_sha256 or
-                                                 lora.adapter_sha256(run["teacher"]))
+    return recorded is not None and recorded != adapter_sha256(run["teacher"])
 
 
 def changed_settings(folder, settings, ignore=("resume",)):

@@ -6,7 +6,7 @@ format), checkpoint/ (adapter + optimizer state + step) and, with --snapshot-eve
 snapshots/step-N/ (each a finished run folder of its own). RunFolder keeps what
 docs/runs.md promises: atomic checkpoints, resume to the same adapter, one process a
 folder, a stop between steps on a signal. Whether a run is of the settings asked for is
-provenance.py's question. The model does not import it.
+provenance.py's question.
 """
 import atexit
 import contextlib
@@ -24,10 +24,8 @@ import time
 import torch
 from tqdm import tqdm
 
-import lora
-from model import load, model_folder, read_config
 from plumbing import processes, provenance
-from plumbing.files import InputError, read_safetensors_file, write_atomic, write_json
+from plumbing.files import InputError, write_atomic, write_json
 
 try:
     import fcntl
@@ -38,72 +36,72 @@ except ImportError:  # Windows: no flock, so nothing is held there
 # -----------------------------------------------------------------------------
 # run folders
 
-# the folders this process holds: real path -> its open .lock file (None where it took none)
-HELD = {}
+# the folders this process has locked: real path -> its open .lock file (None where it took none)
+LOCKS = {}
 
 
-def hold(folder, instead=", or pass another --out"):
-    """Hold folder for this process, or stop with one line if another process holds it: two
-    runs writing one folder would interleave their logs and overwrite each other's
-    checkpoints. The lock is the operating system's (flock on folder/.lock), so it ends
-    with the process however that ends. Holding a folder this process holds does nothing,
-    and so does every process of torchrun's but the one that writes (RANK 0)."""
+def lock(folder, instead=", or pass another --out"):
+    """Lock folder for this process, or stop with one line if another process has: two runs
+    writing one folder would interleave their logs and overwrite each other's checkpoints.
+    The lock is the operating system's (flock on folder/.lock), so it ends with the process
+    however that ends. Locking a folder this process has locked does nothing, and so does
+    every process of torchrun's but the one that writes (RANK 0)."""
     key = os.path.realpath(folder)
-    if key in HELD or processes.RANK:
+    if key in LOCKS or processes.RANK:
         return
     os.makedirs(folder, exist_ok=True)
     if fcntl is None:
-        HELD[key] = None
+        LOCKS[key] = None
         return
-    lock = open(os.path.join(folder, ".lock"), "a+")
+    handle = open(os.path.join(folder, ".lock"), "a+")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "unknown"
-        lock.close()
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
         raise InputError(f"{folder} is in use by another process (pid {holder}); wait for it to "
                          f"end{instead}") from None
     except OSError as e:  # a file system without locks (some network mounts)
-        lock.close()
+        handle.close()
         print(f"note: cannot lock {folder} ({e.strerror or e}); run one script at a time in it")
-        HELD[key] = None
+        LOCKS[key] = None
         return
-    lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
-    HELD[key] = lock
+    handle.truncate(0)
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    LOCKS[key] = handle
 
 
-def let_go(folder):
-    lock = HELD.pop(os.path.realpath(folder), None)
-    if lock is not None:
-        lock.close()  # closing the file ends its flock
+def unlock(folder):
+    handle = LOCKS.pop(os.path.realpath(folder), None)
+    if handle is not None:
+        handle.close()  # closing the file ends its flock
 
 
 @contextlib.contextmanager
-def holding(*folders, instead=", or pass another --out"):
-    """hold each folder for a with block; at its end let go of those it took."""
-    took = [f for f in folders if os.path.realpath(f) not in HELD]
+def locked(*folders, instead=", or pass another --out"):
+    """lock each folder for a with block; at its end unlock those it locked."""
+    took = [f for f in folders if os.path.realpath(f) not in LOCKS]
     try:
         for folder in folders:
-            hold(folder, instead)
+            lock(folder, instead)
         yield
     finally:
         for folder in took:
-            let_go(folder)
+            unlock(folder)
 
 
-def held_elsewhere(folder):
-    """The pid of another process that holds folder, else None."""
+def locked_elsewhere(folder):
+    """The pid of another process that has locked folder, else None."""
     path = os.path.join(folder, ".lock")
-    if fcntl is None or os.path.realpath(folder) in HELD or not os.path.isfile(path):
+    if fcntl is None or os.path.realpath(folder) in LOCKS or not os.path.isfile(path):
         return None
-    with open(path) as lock:
+    with open(path) as handle:
         try:
-            fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken only where no process holds it
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken only where none holds it
         except BlockingIOError:
-            return lock.read().strip() or "unknown"
+            return handle.read().strip() or "unknown"
         except OSError:
             return None
     return None
@@ -146,9 +144,10 @@ def git_commit():
 
 
 def check_run_folder(folder, model, also=""):
-    """Stop unless folder holds a run's adapter, trained on `model` and not in use by another
-    process (a run still training, an evaluation writing it); also names what else the
-    caller takes in place of a run folder."""
+    """Stop unless folder holds a run's adapter, trained on `model` (None: whichever) and not in
+    use by another process (a run still training, an evaluation writing it); also names what
+    else the caller takes in place of a run folder. Returns its run.json (None: a peft
+    adapter without one)."""
     if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
         left = set(os.listdir(folder)) if os.path.isdir(folder) else set()
         # a study's folder holds a .lock too (reproduce.py, evaluate.py base): never "delete it"
@@ -157,45 +156,17 @@ def check_run_folder(folder, model, also=""):
                              f"adapter); train it again, or delete the folder")
         raise InputError(f"{folder} is not a run folder (no adapter_config.json); name a folder "
                          f"written by sft.py, rl.py or opd.py{also}")
-    holder = held_elsewhere(folder)
+    holder = locked_elsewhere(folder)
     if holder:
         raise InputError(f"{folder} is in use by another process (pid {holder}), which trains or "
                          f"evaluates it; wait for it to end")
-    provenance.check_same_base(folder, model)
-    if provenance.run_record(folder) is not None and not run_finished(folder):
+    record = provenance.run_record(folder)
+    if model is not None:
+        provenance.check_same_base(folder, model, record)
+    if record is not None and "finished_steps" not in record:
         print(f"note: the run in {folder} has not finished (stopped before its last step); using "
               f"its last adapter")
-
-
-def check_teacher(teacher, base):
-    """Stop unless --teacher is a run folder trained on base, a model folder or a hub id (whose
-    files it fetches), before any model loads: a mistyped path is said first, not after the
-    student's model is loaded, or fetched."""
-    if not os.path.isdir(teacher):
-        model_folder(teacher, "--teacher")
-    elif not os.path.isfile(os.path.join(teacher, "config.json")):
-        check_run_folder(teacher, base, also=", or a model folder (config.json)")
-
-
-def load_teacher(model, tok, teacher, base):
-    """(teacher model, its adapter), of a teacher check_teacher passed: adapter 'teacher' on the
-    student's shared base, the base itself (adapter None), or another model of the same
-    tokenizer in a copy of its own."""
-    if os.path.isdir(teacher) and not os.path.isfile(os.path.join(teacher, "config.json")):
-        lora.load_adapter(model, teacher, name="teacher", activate=False)
-        return model, "teacher"
-    if provenance.same_model(teacher, base):  # the base itself, however spelt: no second copy
-        return model, None
-    folder = model_folder(teacher, "--teacher")
-    # token ids pass between the two models both ways, and their logits meet column by column
-    mismatch = InputError(f"--teacher {teacher} has another tokenizer or vocabulary than "
-                            f"--model {base}; pick a teacher of the student's model family")
-    if read_config(folder).vocab_size != model.config.vocab_size:
-        raise mismatch
-    net, teacher_tok = load(folder, model.lm_head.weight.device, model.lm_head.weight.dtype)
-    if teacher_tok.tok.get_vocab() != tok.tok.get_vocab():
-        raise mismatch
-    return net, None
+    return record
 
 
 class RunFolder:
@@ -204,9 +175,14 @@ class RunFolder:
     checkpoint; run.json comes with the first, so a run that fails before it leaves no
     folder behind (or, killed, one without run.json, which other scripts name as such)."""
 
-    def __init__(self, folder, settings):
-        """settings: the run's flags by name (vars of its parsed arguments), kept in run.json."""
-        self.folder, self.settings = folder, settings
+    def __init__(self, folder, settings, adapters, pinned=None):
+        """settings: the run's flags by name (vars of its parsed arguments), kept in run.json;
+        adapters: what writes and reads the adapter a checkpoint holds (the lora module, with
+        its save_adapter and restore_adapter), passed in so that the plumbing imports no model
+        code; pinned: what run.json keeps beside the settings that a resume must find the same
+        (opd.py: its teacher's adapter digest)."""
+        self.folder, self.settings, self.adapters = folder, settings, adapters
+        self.pinned = pinned or {}
         self.ckpt, self.log_path = (os.path.join(folder, f) for f in ("checkpoint", "log.jsonl"))
         self.snapshots = os.path.join(folder, "snapshots")
         self.stop_requested = None  # the name of the signal that asked the run to stop
@@ -214,7 +190,7 @@ class RunFolder:
             raise InputError(f"--out {folder} is a model folder (config.json); pass a folder of "
                              f"its own for the run")
         self.created = not os.path.isdir(folder)
-        hold(folder)  # until finish, a failure in the loop, or the end of this process
+        lock(folder)  # until finish, a failure in the loop, or the end of this process
         if self.created:  # however the process ends before its first checkpoint, the folder goes
             atexit.register(self.discard_if_untrained)
         try:
@@ -222,9 +198,7 @@ class RunFolder:
         except BaseException:
             self.discard_if_untrained()
             raise
-        teacher = settings.get("teacher")  # which adapter a run-folder teacher (opd.py) held
-        self.record = {**settings, "git_commit": git_commit(),
-                       **({"teacher_sha256": lora.adapter_sha256(teacher)} if teacher else {})}
+        self.record = {**settings, "git_commit": git_commit(), **self.pinned}
 
     def check_start(self):
         """A fresh run, or a resume that continues the same run: anything else stops here."""
@@ -241,18 +215,19 @@ class RunFolder:
             raise InputError(f"{folder} has no checkpoint to resume from; drop --resume to start "
                              f"the run")
         if not resume:
-            if not processes.RANK:  # what a run killed before its first checkpoint left: one removes it
+            if not processes.RANK:  # what a run killed before its first checkpoint left
                 for leftover in (self.log_path, os.path.join(folder, "run.json")):
                     if os.path.isfile(leftover):
                         os.remove(leftover)
                 shutil.rmtree(self.snapshots, ignore_errors=True)
             return
-        provenance.check_same_base(folder, settings["model"])
-        teacher = settings.get("teacher")
-        if provenance.teacher_changed(folder, lora.adapter_sha256(teacher) if teacher else None):
-            raise InputError(f"{folder} was distilled from another adapter than {teacher} holds "
-                             f"now (trained further or again since); put back the teacher it "
-                             f"started from, or start a new run with --out")
+        before = provenance.run_record(folder) or {}
+        provenance.check_same_base(folder, settings["model"], before)
+        for key, value in self.pinned.items():
+            if key in before and before[key] != value:
+                raise InputError(f"{folder} was trained with {key} {before[key]}, which is "
+                                 f"{value} now (a teacher trained further since, say); put back "
+                                 f"what the run started from, or start a new run with --out")
         # the checkpoint's adapter has its rank, and its alpha set the scale it trained under
         shape = {k: settings[k] for k in ("rank", "alpha")}
         reshaped = provenance.changed_settings(folder, shape)
@@ -265,10 +240,10 @@ class RunFolder:
             print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
 
     def discard_if_untrained(self):
-        """Let the folder go, and delete it where this run made it and wrote no checkpoint."""
-        if os.path.realpath(self.folder) not in HELD:  # let go already: another run may hold it now
+        """Unlock the folder, and delete it where this run made it and wrote no checkpoint."""
+        if os.path.realpath(self.folder) not in LOCKS:  # unlocked already: another run may hold it
             return
-        let_go(self.folder)
+        unlock(self.folder)
         if self.created and last_checkpoint(self.folder) is None:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -277,8 +252,7 @@ class RunFolder:
         folder = last_checkpoint(self.folder)
         state = torch.load(os.path.join(folder, "trainer.pt"), map_location="cpu",
                            weights_only=True)
-        weights = os.path.join(folder, "adapter_model.safetensors")
-        lora.assign_adapter_tensors(model, read_safetensors_file(weights), name, weights)
+        self.adapters.restore_adapter(model, folder, name)
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         if not processes.RANK:  # the process that writes
@@ -300,7 +274,7 @@ class RunFolder:
             return
         tmp, old = self.ckpt + ".tmp", self.ckpt + ".old"
         shutil.rmtree(tmp, ignore_errors=True)
-        lora.save_adapter(model, tmp, name)
+        self.adapters.save_adapter(model, tmp, name)
         torch.save({"optimizer": optimizer.state_dict(), "step": step},
                    os.path.join(tmp, "trainer.pt"))
         if os.path.isdir(self.ckpt):
@@ -308,7 +282,7 @@ class RunFolder:
             os.replace(self.ckpt, old)
         os.replace(tmp, self.ckpt)
         shutil.rmtree(old, ignore_errors=True)
-        lora.save_adapter(model, self.folder, name)
+        self.adapters.save_adapter(model, self.folder, name)
         if provenance.run_record(self.folder) is None:  # the run's first checkpoint
             write_json(os.path.join(self.folder, "run.json"), self.record)
 
@@ -317,11 +291,13 @@ class RunFolder:
         other step's."""
         return (self.settings["seed"] * 1_000_003 + step) << 20
 
-    def steps(self, model, optimizer, end, desc):
-        """The run's steps, from 0 or (--resume) its last checkpoint up to end: before each, torch
-        seeded with step_seed and the clock started for log; after each, end_step (a snapshot,
-        a checkpoint, a stop asked for); after the last, finish. A stop signal ends the run
-        after a whole step, saved (stop_between_steps)."""
+    def steps(self, model, optimizer, total, desc):
+        """The run's steps, from 0 or (--resume) its last checkpoint up to total, the schedule's
+        length, or --max-steps where that is fewer: before each, torch seeded with step_seed
+        and the clock started for log; after each, end_step (a snapshot, a checkpoint, a stop
+        asked for); after the last, finish. A stop signal ends the run after a whole step,
+        saved (stop_between_steps)."""
+        end = min(total, self.settings.get("max_steps") or total)
         start = self.resume(model, optimizer) if self.settings["resume"] else 0
         self.bar = tqdm(range(start, end), initial=start, total=end, desc=desc,
                         disable=processes.RANK > 0)
@@ -393,7 +369,7 @@ class RunFolder:
             return
         folder = os.path.join(self.snapshots, f"step-{step:06d}")
         shutil.rmtree(folder + ".tmp", ignore_errors=True)
-        lora.save_adapter(model, folder + ".tmp", name)
+        self.adapters.save_adapter(model, folder + ".tmp", name)
         write_json(os.path.join(folder + ".tmp", "run.json"),
                    {**self.record, "finished_steps": step})
         shutil.copy(self.log_path, os.path.join(folder + ".tmp", "log.jsonl"))
@@ -406,7 +382,7 @@ class RunFolder:
         if not processes.RANK:
             write_json(os.path.join(self.folder, "run.json"),
                        {**self.record, "finished_steps": step})
-        let_go(self.folder)
+        unlock(self.folder)
         if self.stop_requested is not None:
             raise SystemExit(f"stopped by {self.stop_requested} at the run's last step; "
                              f"{self.folder} is complete")

@@ -37,7 +37,8 @@ def add_toy_args(p):
                    help="share of the worked ones written as GSM8K's")
     p.add_argument("--retention-repeats", type=cli.number(int, 1), default=5,
                    help="copies of the retention corpus")
-    p.add_argument("--pretrain-steps", type=cli.number(int, 1), default=1600, help="pretraining steps")
+    p.add_argument("--pretrain-steps", type=cli.number(int, 1), default=1600,
+                   help="pretraining steps")
     p.add_argument("--pretrain-lr", type=cli.number(float, 0, above=True), default=2e-3,
                    help="peak pretraining rate")
     p.add_argument("--batch", type=cli.number(int, 1), default=16,
@@ -45,7 +46,8 @@ def add_toy_args(p):
     p.add_argument("--context", type=cli.number(int, 2), default=256,
                    help="pretraining sequence length")
     bpe = "byte-level BPE starts from the 256 bytes and the end-of-text token"
-    p.add_argument("--vocab", type=cli.number(int, 257, why=bpe), default=2048, help="BPE vocabulary")
+    p.add_argument("--vocab", type=cli.number(int, 257, why=bpe), default=2048,
+                   help="BPE vocabulary")
     p.add_argument("--hidden", type=cli.number(int, 2), default=256, help="hidden size")
     p.add_argument("--layers", type=cli.number(int, 1), default=4, help="transformer blocks")
     p.add_argument("--heads", type=cli.number(int, 2), default=4,
@@ -83,7 +85,7 @@ def pretrain(out, args, shipped=SHIPPED):
     these settings, world and code, else the shipped one if its is, else one pretrained here
     (resumable, PRETRAIN_SAVE_EVERY)."""
     data_dir, model_dir = os.path.join(out, "data"), os.path.join(out, "base-model")
-    with runs.holding(out):  # two pretrainings in one folder would overwrite each other's work
+    with runs.locked(out):  # two pretrainings in one folder would overwrite each other's work
         world = write_world(data_dir, args.world_seed, n_pretrain=args.target_problems,
                             annotated=args.annotated)
         mark = base_digest(*world, args)
@@ -101,8 +103,8 @@ def pretrain(out, args, shipped=SHIPPED):
             pretrain_in(*world, model_dir, args, mark)
         elif digest_of(model_dir) != mark:
             raise InputError(f"{model_dir} was pretrained with other settings, world or code "
-                               f"than these (or kept no fingerprint in pretrain.json); delete it "
-                               f"to pretrain again, or pass another --out")
+                             f"than these (or kept no fingerprint in pretrain.json); delete it "
+                             f"to pretrain again, or pass another --out")
     return data_dir, model_dir
 
 

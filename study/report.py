@@ -357,7 +357,7 @@ def write_results(root, **extra):
     if not found:
         where = f"; the studies under it: {', '.join(nested)} (pass one of them)" if nested else ""
         raise InputError(f"no eval.json in {root} or its run folders{where}; run `python "
-                           f"evaluate.py base ...` first")
+                         f"evaluate.py base ...` first")
     text, rows = results_markdown(found), table_rows(found)
     write_atomic(os.path.join(root, "results.md"), lambda p: open(p, "w").write(text))
     predictors = {key: drift_forgetting_correlations(rows, key) for key, _ in PREDICTORS}

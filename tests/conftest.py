@@ -71,7 +71,7 @@ def randomize_adapter(model, name="default", seed=0, scale=0.1):
 def hold_in_another_process(folder):
     """A process that holds folder (runs.hold) until it is killed."""
     import subprocess
-    code = "import sys; sys.path.insert(0, sys.argv[1]); from plumbing import runs; runs.hold(sys.argv[2]); print('held', flush=True); " \
+    code = "import sys; sys.path.insert(0, sys.argv[1]); from plumbing import runs; runs.lock(sys.argv[2]); print('held', flush=True); " \
            "sys.stdin.read()"
     holder = subprocess.Popen([sys.executable, "-c", code, ROOT, folder], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               text=True)

@@ -277,7 +277,7 @@ def test_offpolicy_gap_is_the_bases_nll_of_gold_answers_and_of_its_own_samples(t
     import data
     import lora
     from conftest import randomize_adapter
-    from sample import generate
+    from sample import Sampling, generate
     net, tok = M.load(tiny_model, "cpu", torch.float32)
     base, _ = M.load(tiny_model, "cpu", torch.float32)
     lora.add_lora(net, rank=2, alpha=4)
@@ -294,8 +294,7 @@ def test_offpolicy_gap_is_the_bases_nll_of_gold_answers_and_of_its_own_samples(t
             n += len(rest)
         return total / n
     assert abs(gold - nll([data.gsm8k_gold_ids(tok, r) for r in rows])) < 1e-4
-    samples = generate(base, tok, [data.gsm8k_prompt(r["question"]) for r in rows], max_new_tokens=12, temperature=1.0,
-                       stop=data.GSM8K_STOP, seed=3)
+    samples = generate(base, tok, [data.gsm8k_prompt(r["question"]) for r in rows], Sampling(max_new_tokens=12, temperature=1.0, stop=data.GSM8K_STOP, seed=3))
     assert abs(own - nll([(s.prompt_ids, s.completion_ids) for s in samples])) < 1e-4
     assert abs(own + sum(map(sum, (s.logprobs for s in samples))) / sum(len(s.logprobs) for s in samples)) < 1e-4
     assert abs(gold - own) > 0.1  # a random model does not write GSM8K's solutions

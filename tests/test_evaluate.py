@@ -17,7 +17,7 @@ import model as M
 from conftest import DEVICES, ROOT
 from plumbing import provenance
 from plumbing.files import InputError
-from sample import generate
+from sample import Sampling, generate
 from study import report
 
 
@@ -332,8 +332,8 @@ def test_a_run_or_task_named_twice_is_evaluated_once_and_too_many_gsm8k_shots_ar
     lora.save_adapter(m, str(run), base_model=tiny_model)
     evaluated = []
     plain = E.evaluate
-    monkeypatch.setattr(E, "evaluate", lambda model, tok, data_dir, **flags: evaluated.append(flags["tasks"]) or
-                        plain(model, tok, data_dir, **flags))
+    monkeypatch.setattr(E, "evaluate", lambda model, tok, data_dir, flags: evaluated.append(flags["tasks"]) or
+                        plain(model, tok, data_dir, flags))
     flags = ["--model", tiny_model, "--data-dir", str(data_dir), "--out", str(tmp_path), "--tasks", "mmlu,mmlu",
              "--mmlu-limit", "2", "--mmlu-shots", "0"]
     E.main([str(run), str(run), *flags])  # a second adapter named like the first stopped it with a ValueError
@@ -384,8 +384,7 @@ def test_samples_are_seeded_temperature_one_draws_scored_by_their_flexible_answe
     prompts = [data.gsm8k_prompt(r["question"]) for r in rows]
     assert [s["prompt"] for s in samples] == prompts
     order = sorted(range(6), key=lambda i: -len(prompts[i]))  # one batch, longest first, seeded from SAMPLE_SEED
-    drawn = generate(model, tok, [prompts[i] for i in order], n=4, max_new_tokens=12, temperature=1.0,
-                     stop=data.GSM8K_STOP, seed=E.SAMPLE_SEED)
+    drawn = generate(model, tok, [prompts[i] for i in order], Sampling(n=4, max_new_tokens=12, temperature=1.0, stop=data.GSM8K_STOP, seed=E.SAMPLE_SEED))
     for k, i in enumerate(order):
         assert samples[i]["completions"] == [r.text for r in drawn[4 * k:4 * k + 4]]
     assert any(len(set(s["completions"])) > 1 for s in samples)  # drawn, not greedy

@@ -15,7 +15,7 @@ import rl
 import sft
 import train
 from conftest import adapter_tensors, common, randomize_adapter, read_log, write_fixed_answer_data
-from plumbing import cli, provenance, runs
+from plumbing import cli, provenance
 from plumbing.files import InputError
 from sample import find_stop, tokens_before_stop
 from study import organism
@@ -43,9 +43,9 @@ def test_state_sources_are_what_the_docstrings_say(tiny_model, data_dir, tmp_pat
             trained.append((sequences, starts))
         return real_logprobs(model, sequences, starts, pad_id)
 
-    def record_generate(model, tok, prompts, *a, **k):
-        out = real_generate(model, tok, prompts, *a, **k)
-        sampled.append((lora.active_adapter(model), prompts, k.get("stop"), out))
+    def record_generate(model, tok, prompts, sampling, **k):
+        out = real_generate(model, tok, prompts, sampling, **k)
+        sampled.append((lora.active_adapter(model), prompts, sampling.stop, out))
         return out
 
     monkeypatch.setattr(train, "sequence_logprobs", record_logprobs)
@@ -89,11 +89,11 @@ def test_opd_student_learns_the_teachers_fixed_answer(tiny_model, data_dir, tmp_
                     "--alpha", 16, "--lora-dropout", 0, "--warmup", 0))
     m, tok = M.load(tiny_model)
     prompts = [data.gsm8k_prompt(r["question"]) for r in data.load_gsm8k("train", fixed)[:6]]
-    from sample import generate
+    from sample import Sampling, generate
     lora.load_adapter(m, str(teacher))
-    assert all(r.text == " " + answer for r in generate(m, tok, prompts, max_new_tokens=16, temperature=0))
+    assert all(r.text == " " + answer for r in generate(m, tok, prompts, Sampling(max_new_tokens=16, temperature=0)))
     lora.set_adapter(m, None)
-    assert not any(r.text == " " + answer for r in generate(m, tok, prompts, max_new_tokens=16, temperature=0))
+    assert not any(r.text == " " + answer for r in generate(m, tok, prompts, Sampling(max_new_tokens=16, temperature=0)))
 
     student = tmp_path / "student"
     opd.main(common(tiny_model, fixed, student, "--teacher", teacher, "--prompts-per-step", 8, "--max-new-tokens", 20,
@@ -102,7 +102,7 @@ def test_opd_student_learns_the_teachers_fixed_answer(tiny_model, data_dir, tmp_
     lora.load_adapter(s, str(student))
     # the teacher's answer first (what follows it depends on the teacher's continuations of the
     # student's early, random states, where this teacher repeats its last line)
-    texts = [r.text for r in generate(s, tok, prompts, max_new_tokens=16, temperature=0)]
+    texts = [r.text for r in generate(s, tok, prompts, Sampling(max_new_tokens=16, temperature=0))]
     assert all(t.startswith(" " + answer) for t in texts), texts
 
 
@@ -121,7 +121,7 @@ def test_opd_resumed_after_its_teacher_was_trained_further_stops(tiny_model, dat
     opd.main([*distil, "--max-steps", "2", "--resume"])  # the same teacher: resumes
     sft.main([*train_teacher, "--max-steps", "2", "--resume"])
     assert provenance.teacher_changed(str(student))
-    with pytest.raises(InputError, match=f"{student} was distilled from another adapter than {teacher} holds now"):
+    with pytest.raises(InputError, match=f"{student} was trained with teacher_sha256 {recorded}, which is "):
         opd.main([*distil, "--resume"])
     assert len(read_log(student)) == 2
     # a teacher given as a model folder has no adapter to change
@@ -146,21 +146,25 @@ def test_a_teacher_that_is_the_base_model_however_spelt_shares_the_students_copy
     model, tok = M.load(tiny_model)
     relative = os.path.relpath(tiny_model)
     for spelt in (tiny_model, tiny_model + "/", relative, os.path.join(relative, ".")):
-        assert runs.load_teacher(model, tok, spelt, tiny_model) == (model, None), spelt
+        assert opd.load_teacher(model, tok, opd.open_teacher(spelt), tiny_model) == (model, None), spelt
     os.symlink(tiny_model, tmp_path / "linked")
-    assert runs.load_teacher(model, tok, str(tmp_path / "linked"), tiny_model)[0] is model
+    assert opd.load_teacher(model, tok, opd.open_teacher(str(tmp_path / "linked")), tiny_model)[0] is model
 
 
 def test_a_students_run_folder_lies_beside_its_teacher_run_and_a_model_ids_in_out(tmp_path):
     teacher = tmp_path / "toy" / "stress"
     teacher.mkdir(parents=True)
-    (teacher / "run.json").write_text("{}")
-    assert opd.parse_args(["--teacher", f"{teacher}/"]).out == str(tmp_path / "toy" / "opd-stress")
-    assert opd.parse_args(["--teacher", str(teacher), "--state-source", "teacher"]).out == str(
-        tmp_path / "toy" / "opd-stress-teacher-states")
-    assert opd.parse_args(["--teacher", "Qwen/Qwen3-1.7B"]).out == os.path.join("out",
-                                                                                "opd-Qwen3-1.7B")
-    assert opd.parse_args(["--teacher", str(teacher), "--out", "elsewhere"]).out == "elsewhere"
+    (teacher / "run.json").write_text('{"model": "m"}')
+    (teacher / "adapter_config.json").write_text("{}")
+    opened = opd.open_teacher(f"{teacher}/")  # a run folder: its run.json read, its adapter hashed
+    assert opened.is_run and opened.run == {"model": "m"} and opened.sha256 is None
+    assert opd.student_folder(opd.parse_args(["--teacher", f"{teacher}/"]), opened) == str(
+        tmp_path / "toy" / "opd-stress")
+    assert opd.student_folder(opd.parse_args(["--teacher", str(teacher), "--state-source", "teacher"]),
+                              opened) == str(tmp_path / "toy" / "opd-stress-teacher-states")
+    hub = opd.Teacher("Qwen/Qwen3-1.7B", str(tmp_path))  # a hub id, as fetched into a model folder
+    assert opd.student_folder(opd.parse_args(["--teacher", hub.name]), hub) == os.path.join("out",
+                                                                                         "opd-Qwen3-1.7B")
 
 
 def test_opd_logit_kl_reads_a_separate_teachers_logits_from_its_own_output_layer(tiny_model, data_dir, tmp_path):
@@ -219,10 +223,10 @@ def test_opd_targets_end_before_a_stop_string(tiny_model, data_dir, tmp_path, mo
     answer, beyond = tok.encode(" 3 + 4 = 7.\n#### 7"), tok.encode("\n\nQuestion: Tom has 5 pens.")
     assert find_stop(tok.decode(answer + beyond), data.GSM8K_STOP) >= 0
 
-    def teacher_runs_on(model, tok, prompts, *a, **k):
-        out = real_generate(model, tok, prompts, *a, **k)
+    def teacher_runs_on(model, tok, prompts, sampling, **k):
+        out = real_generate(model, tok, prompts, sampling, **k)
         if lora.active_adapter(model) is None:  # the teacher, the base model here
-            assert k["stop"] == data.GSM8K_STOP
+            assert sampling.stop == data.GSM8K_STOP
             for r in out:
                 r.completion_ids = answer + beyond
         return out

@@ -120,9 +120,9 @@ def test_every_sample_of_every_step_draws_from_a_stream_of_its_own(tiny_model, d
     lay next to each other would replay each other's samples, shifted by one."""
     streams, real_generate = [], rl.generate
 
-    def record(model, tok, prompts, *a, **k):
-        streams.append({k["seed"] + r for r in range(len(prompts) * k["n"])})
-        return real_generate(model, tok, prompts, *a, **k)
+    def record(model, tok, prompts, sampling, **k):
+        streams.append({sampling.seed + r for r in range(len(prompts) * sampling.n)})
+        return real_generate(model, tok, prompts, sampling, **k)
     monkeypatch.setattr(rl, "generate", record)
     rl.main(common(tiny_model, data_dir, tmp_path / "rl", "--prompts-per-step", 2, "--group-size", 3,
                    "--max-new-tokens", 2, "--max-steps", 3))

@@ -18,7 +18,7 @@ import opd
 import sft
 import train
 from plumbing import cli, runs
-from plumbing.files import InputError, write_json
+from plumbing.files import InputError
 from conftest import (DEVICES, MAINS, ROOT, adapter_tensors, common, hold_in_another_process, read_log, save_hf_model,
                       short_run)
 
@@ -272,7 +272,7 @@ def test_a_run_killed_anywhere_in_a_checkpoint_write_resumes_from_a_whole_checkp
     for kill_after in range(1, 100):
         folder = str(tmp_path / f"kill-{kill_after}")
         model, optimizer = fresh_model()
-        run = runs.RunFolder(folder, args)
+        run = runs.RunFolder(folder, args, lora)
         saved[2] = train_step(2)
         run.save(model, optimizer, 2)
         saved[4] = train_step(4)
@@ -296,7 +296,7 @@ def test_a_run_killed_anywhere_in_a_checkpoint_write_resumes_from_a_whole_checkp
         _, status = os.waitpid(child, 0)
         assert os.waitstatus_to_exitcode(status) in (0, 3), kill_after
         fresh, fresh_optimizer = fresh_model()
-        step = runs.RunFolder(folder, run_args(model=tiny_model, resume=True)).resume(fresh, fresh_optimizer)
+        step = runs.RunFolder(folder, run_args(model=tiny_model, resume=True), lora).resume(fresh, fresh_optimizer)
         assert step in (2, 4), (kill_after, step)
         loaded = lora.adapter_state(fresh, "default")
         assert all(torch.equal(loaded[k], saved[step][k]) for k in loaded), kill_after
@@ -431,14 +431,14 @@ def test_a_full_disk_stops_the_run_in_one_line_and_loses_no_checkpoint(tiny_mode
 def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_folder(tmp_path):
     import subprocess
     folder = str(tmp_path / "stress")
-    run = runs.RunFolder(folder, run_args())
+    run = runs.RunFolder(folder, run_args(), lora)
     with pytest.raises(RuntimeError), run.stop_between_steps():
         raise RuntimeError("out of memory in step 1")
     assert not os.path.exists(folder)
     # a process that ends in an error after making the folder (a model that fails to load)
     code = ("import sys, argparse; sys.path.insert(0, sys.argv[1]); from plumbing import runs; "
-            "runs.RunFolder(sys.argv[2], dict(save_every=2, snapshot_every=0, model='m', rank=4, alpha=8, "
-            "resume=False)); raise SystemExit('error: no model')")
+            "import lora; runs.RunFolder(sys.argv[2], dict(save_every=2, snapshot_every=0, model='m', rank=4, alpha=8, "
+            "resume=False), lora); raise SystemExit('error: no model')")
     done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.dirname(__file__)), folder],
                           capture_output=True, text=True)
     assert done.returncode == 1 and not os.path.exists(folder)
@@ -473,34 +473,34 @@ def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_p
     holder = hold_in_another_process(folder)
     try:
         with pytest.raises(InputError, match=rf"^{folder} is in use by another process \(pid {holder.pid}\); wait"):
-            runs.RunFolder(folder, args)
+            runs.RunFolder(folder, args, lora)
         assert not os.path.exists(os.path.join(folder, "run.json"))  # and touched nothing
     finally:
         holder.kill()
         holder.wait()
-    run = runs.RunFolder(folder, args)  # SIGKILL ended the hold with the process
-    runs.RunFolder(folder, args)  # this process holds it already: the same run going on
+    run = runs.RunFolder(folder, args, lora)  # SIGKILL ended the hold with the process
+    runs.RunFolder(folder, args, lora)  # this process holds it already: the same run going on
     run.finish(0)
     another_process_can_take_it()
     with pytest.raises(InputError, match="has no checkpoint to resume from"):
-        runs.RunFolder(folder, run_args(resume=True))
+        runs.RunFolder(folder, run_args(resume=True), lora)
     another_process_can_take_it()
-    run = runs.RunFolder(folder, args)
+    run = runs.RunFolder(folder, args, lora)
     with pytest.raises(RuntimeError), run.stop_between_steps():
         raise RuntimeError("out of memory")
     another_process_can_take_it()
     # reproduce.py's and toy.py's hold on their --out: for the block, however it ends
-    with pytest.raises(RuntimeError), runs.holding(folder):
+    with pytest.raises(RuntimeError), runs.locked(folder):
         with pytest.raises(AssertionError):
             another_process_can_take_it()
         raise RuntimeError("a stage failed")
     another_process_can_take_it()
-    runs.hold(folder)
-    with runs.holding(folder):  # held before the block: still held after it
+    runs.lock(folder)
+    with runs.locked(folder):  # held before the block: still held after it
         pass
     with pytest.raises(AssertionError):
         another_process_can_take_it()
-    runs.let_go(folder)
+    runs.unlock(folder)
     import errno
     import fcntl
 
@@ -509,11 +509,11 @@ def test_a_folder_in_use_by_another_process_stops_a_second_run_in_one_line(tmp_p
 
     monkeypatch.setattr(fcntl, "flock", no_locks)  # a mount without locks: one note, and the run goes on
     os.makedirs(tmp_path / "lockless")  # a folder there already: RunFolder holds it before and after its checks
-    run = runs.RunFolder(str(tmp_path / "lockless"), args)
+    run = runs.RunFolder(str(tmp_path / "lockless"), args, lora)
     assert capsys.readouterr().out.count("note: cannot lock") == 1
     run.finish(0)
     monkeypatch.setattr(runs, "fcntl", None)  # as on Windows: no lock, but the folder is made all the same
-    runs.hold(str(tmp_path / "unlocked"))
+    runs.lock(str(tmp_path / "unlocked"))
     assert os.listdir(tmp_path / "unlocked") == []
 
 
@@ -538,7 +538,7 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
     finally:
         holder.kill()
         holder.wait()
-    assert runs.held_elsewhere(str(teacher)) is None
+    assert runs.locked_elsewhere(str(teacher)) is None
     # an evaluation holds what it writes: the base's --out and each run, for as long as it runs
     holder = hold_in_another_process(str(tmp_path / "out"))
     try:
@@ -557,14 +557,12 @@ def test_a_run_in_use_elsewhere_is_not_read_as_a_teacher_nor_evaluated_nor_measu
 
 
 def test_model_and_data_come_from_the_run_json_of_the_folders_given(tmp_path, capsys):
-    teacher = tmp_path / "stress"
-    teacher.mkdir()
-    write_json(str(teacher / "run.json"), dict(model="out/toy/base-model", data_dir="out/toy/data"))
-    args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), None, str(teacher))
+    teacher = dict(model="out/toy/base-model", data_dir="out/toy/data", out="out/toy/stress")  # its run.json
+    args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), None, teacher)
     assert (args.model, args.data_dir) == ("out/toy/base-model", "out/toy/data")
-    assert f"--model out/toy/base-model (from {teacher}/run.json)" in capsys.readouterr().out
-    args = cli.model_and_data_from(argparse.Namespace(model="mine", data_dir=None), str(teacher))
+    assert "--model out/toy/base-model (from the run.json of out/toy/stress)" in capsys.readouterr().out
+    args = cli.model_and_data_from(argparse.Namespace(model="mine", data_dir=None), teacher)
     assert (args.model, args.data_dir) == ("mine", "out/toy/data")  # a flag given wins
-    args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), str(tmp_path / "nothing"))
+    args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), {"out": "x"}, None)
     assert (args.model, args.data_dir) == (cli.DEFAULT_MODEL, None)
     assert "(default)" in capsys.readouterr().out

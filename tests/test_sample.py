@@ -6,7 +6,7 @@ import lora
 import model as M
 import train
 from conftest import randomize_adapter
-from sample import draw, find_stop, generate, left_pad, tokens_before_stop
+from sample import Sampling, draw, find_stop, generate, left_pad, tokens_before_stop
 
 PROMPTS = ["Question: Natalia sold clips to 48 of her friends.\nAnswer:", "Question: 3 + 4?\nAnswer:",
            "Question: Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes.\nAnswer:"]
@@ -33,7 +33,7 @@ def test_greedy_equals_transformers_generate(tiny_model, loaded):
     from transformers import Qwen3ForCausalLM
     ours, tok = loaded
     ref = Qwen3ForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
-    rollouts = generate(ours, tok, PROMPTS, max_new_tokens=12, temperature=0)
+    rollouts = generate(ours, tok, PROMPTS, Sampling(max_new_tokens=12, temperature=0))
     ids, mask = left_pad([tok.encode(p) for p in PROMPTS], tok.pad_id)
     with torch.no_grad():
         out = ref.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
@@ -47,7 +47,7 @@ def test_sampled_logprobs_are_the_training_passes_in_fp32(tiny_model):
     ours, tok = M.load(tiny_model)
     lora.add_lora(ours, rank=4, alpha=8)
     randomize_adapter(ours)
-    rollouts = generate(ours, tok, PROMPTS, n=2, max_new_tokens=10, temperature=1.0, seed=3)
+    rollouts = generate(ours, tok, PROMPTS, Sampling(n=2, max_new_tokens=10, temperature=1.0, seed=3))
     assert (sampled(rollouts) - trained(ours, rollouts)).abs().max() < 1e-4
     with lora.use_adapter(ours, None):
         assert (trained(ours, rollouts) - sampled(rollouts)).abs().max() > 0.05  # the adapter matters
@@ -93,10 +93,10 @@ def test_generate_samples_the_policy_the_training_pass_trains_in_every_dtype(tin
     ours, tok = M.load(tiny_model, dtype=dtype)
     lora.add_lora(ours, rank=4, alpha=8)
     randomize_adapter(ours, scale=0.3)
-    rollouts = generate(ours, tok, PROMPTS, n=3, max_new_tokens=12, seed=1)
+    rollouts = generate(ours, tok, PROMPTS, Sampling(n=3, max_new_tokens=12, seed=1))
     gap = (sampled(rollouts) - trained(ours, rollouts)).abs().max().item()
     with lora.use_adapter(ours, None):
-        base = generate(ours, tok, PROMPTS, n=3, max_new_tokens=12, seed=1)
+        base = generate(ours, tok, PROMPTS, Sampling(n=3, max_new_tokens=12, seed=1))
         noise = (sampled(base) - trained(ours, base)).abs().max().item()  # one policy, two batch shapes
         effect = (trained(ours, rollouts) - sampled(rollouts)).abs().max().item()  # what the adapter changes
     # the sampler and the trainer differ by what the same policy differs by between the two
@@ -107,16 +107,16 @@ def test_generate_samples_the_policy_the_training_pass_trains_in_every_dtype(tin
 
 def test_seed_reproduces_and_a_prompts_samples_are_those_of_separate_calls(loaded):
     ours, tok = loaded
-    a = generate(ours, tok, PROMPTS, n=4, max_new_tokens=16, seed=11)
-    b = generate(ours, tok, PROMPTS, n=4, max_new_tokens=16, seed=11)
+    a = generate(ours, tok, PROMPTS, Sampling(n=4, max_new_tokens=16, seed=11))
+    b = generate(ours, tok, PROMPTS, Sampling(n=4, max_new_tokens=16, seed=11))
     assert [r.completion_ids for r in a] == [r.completion_ids for r in b]
-    c = generate(ours, tok, PROMPTS, n=4, max_new_tokens=16, seed=12)
+    c = generate(ours, tok, PROMPTS, Sampling(n=4, max_new_tokens=16, seed=12))
     assert [r.completion_ids for r in a] != [r.completion_ids for r in c]
     # sample j of prompt i draws from seed + i*n + j: one call with n=4 and one prefill per
     # prompt gives what four calls with n=1 give
     for i, prompt in enumerate(PROMPTS):
         for j in range(4):
-            alone = generate(ours, tok, [prompt], n=1, max_new_tokens=16, seed=11 + i * 4 + j)[0]
+            alone = generate(ours, tok, [prompt], Sampling(n=1, max_new_tokens=16, seed=11 + i * 4 + j))[0]
             shared = a[i * 4 + j]
             assert (shared.prompt_index, shared.sample_index) == (i, j)
             assert alone.completion_ids == shared.completion_ids
@@ -127,7 +127,7 @@ def test_one_prefill_serves_a_prompts_samples(loaded, monkeypatch):
     ours, tok = loaded
     passes, forward = [], ours.forward
     monkeypatch.setattr(ours, "forward", lambda ids, **k: passes.append(tuple(ids.shape)) or forward(ids, **k))
-    generate(ours, tok, PROMPTS, n=5, max_new_tokens=3, seed=0)
+    generate(ours, tok, PROMPTS, Sampling(n=5, max_new_tokens=3, seed=0))
     width = max(len(tok.encode(p)) for p in PROMPTS)
     assert passes[0] == (3, width) and all(shape[1] == 1 for shape in passes[1:])  # 3 prompt rows, then steps
 
@@ -142,12 +142,12 @@ def test_prompts_that_open_a_longer_one_read_its_prefill_and_sample_as_alone(loa
     monkeypatch.setattr(ours, "forward", lambda ids, **k: passes.append(tuple(ids.shape)) or forward(ids, **k))
     for kwargs in (dict(temperature=0), dict(seed=4)):
         passes.clear()
-        together = generate(ours, tok, prompts, n=2, max_new_tokens=10, decode=decode, **kwargs)
+        together = generate(ours, tok, prompts, Sampling(n=2, max_new_tokens=10, **kwargs), decode=decode)
         assert passes[0] == (2, len(long))  # one prefill row for the four openings of long, one for the other
         for r, shared in enumerate(together):
             seed = dict(seed=kwargs["seed"] + r) if "seed" in kwargs else {}
-            alone = generate(ours, tok, [prompts[r // 2]], max_new_tokens=10, decode=decode,
-                             **{**kwargs, **seed})[0]
+            alone = generate(ours, tok, [prompts[r // 2]], Sampling(max_new_tokens=10, **{**kwargs, **seed}),
+                             decode=decode)[0]
             assert (shared.prompt_ids, shared.prompt_index, shared.sample_index) == (prompts[r // 2], r // 2, r % 2)
             assert alone.completion_ids == shared.completion_ids
             assert torch.allclose(torch.tensor(alone.logprobs), torch.tensor(shared.logprobs), atol=1e-5)
@@ -175,10 +175,10 @@ def test_tokens_before_stop_are_those_whose_text_comes_before_it(loaded):
 
 def test_stop_strings_cut_text_and_end_a_row(loaded):
     ours, tok = loaded
-    free = generate(ours, tok, PROMPTS, max_new_tokens=30, seed=5)
+    free = generate(ours, tok, PROMPTS, Sampling(max_new_tokens=30, seed=5))
     target = next(r for r in free if len(r.text) > 6)  # a piece of text the model really produces
     stop_string = target.text[3:6]
-    stopped = generate(ours, tok, PROMPTS, max_new_tokens=30, seed=5, stop=(stop_string,))
+    stopped = generate(ours, tok, PROMPTS, Sampling(max_new_tokens=30, seed=5, stop=(stop_string,)))
     for f, s in zip(free, stopped):
         assert f.completion_ids[:len(s.completion_ids)] == s.completion_ids  # same samples up to the stop
         if s.finish_reason == "stop":
@@ -193,7 +193,7 @@ def test_eos_ends_a_row_and_is_kept(loaded):
         saved = ours.lm_head.weight[tok.eos_id].clone()
         ours.lm_head.weight[tok.eos_id] = ours.model.norm.weight * 50
         try:
-            r = generate(ours, tok, PROMPTS[:1], max_new_tokens=8, temperature=0)[0]
+            r = generate(ours, tok, PROMPTS[:1], Sampling(max_new_tokens=8, temperature=0))[0]
         finally:
             ours.lm_head.weight[tok.eos_id] = saved
     assert r.finish_reason == "eos" and r.completion_ids.index(tok.eos_id) == len(r.completion_ids) - 1 < 7
@@ -232,11 +232,11 @@ FIXED_SHAPE_MODES = ["fixed"] + ([pytest.param("graph", id="cuda-graph")] if tor
 @pytest.mark.parametrize("mode", FIXED_SHAPE_MODES)
 def test_fixed_shape_decode_equals_dropping_finished_rows(tiny_model, loaded, mode):
     ours, tok = loaded if mode == "fixed" else M.load(tiny_model, "cuda", torch.float32)
-    free = generate(ours, tok, PROMPTS, n=2, max_new_tokens=24, seed=7)
+    free = generate(ours, tok, PROMPTS, Sampling(n=2, max_new_tokens=24, seed=7))
     stop = (next(r for r in free if len(r.text) > 8).text[4:7],)
     for kwargs in (dict(temperature=0), dict(seed=7)):
-        dropping = generate(ours, tok, PROMPTS, n=2, max_new_tokens=24, stop=stop, decode="dropping", **kwargs)
-        fixed = generate(ours, tok, PROMPTS, n=2, max_new_tokens=24, stop=stop, decode=mode, **kwargs)
+        dropping = generate(ours, tok, PROMPTS, Sampling(n=2, max_new_tokens=24, stop=stop, **kwargs), decode="dropping")
+        fixed = generate(ours, tok, PROMPTS, Sampling(n=2, max_new_tokens=24, stop=stop, **kwargs), decode=mode)
         for d, f in zip(dropping, fixed):
             assert (d.completion_ids, d.finish_reason, d.text) == (f.completion_ids, f.finish_reason, f.text)
             assert torch.allclose(torch.tensor(d.logprobs), torch.tensor(f.logprobs), atol=1e-5)
@@ -248,17 +248,17 @@ def test_states_decode_overrides_the_default_loop_and_bad_loops_are_named(loaded
     ours, tok = loaded
     monkeypatch.setenv("STATES_DECODE", "graph")
     with pytest.raises(ValueError, match="'graph' on CUDA"):  # the variable was read
-        generate(ours, tok, PROMPTS, max_new_tokens=2)
+        generate(ours, tok, PROMPTS, Sampling(max_new_tokens=2))
     monkeypatch.setenv("STATES_DECODE", "fast")
     with pytest.raises(ValueError, match="STATES_DECODE"):
-        generate(ours, tok, PROMPTS, max_new_tokens=2)
+        generate(ours, tok, PROMPTS, Sampling(max_new_tokens=2))
     monkeypatch.setenv("STATES_DECODE", "fixed")
-    assert [r.completion_ids for r in generate(ours, tok, PROMPTS, max_new_tokens=6, temperature=0)] == \
-        [r.completion_ids for r in generate(ours, tok, PROMPTS, max_new_tokens=6, temperature=0, decode="dropping")]
+    assert [r.completion_ids for r in generate(ours, tok, PROMPTS, Sampling(max_new_tokens=6, temperature=0))] == \
+        [r.completion_ids for r in generate(ours, tok, PROMPTS, Sampling(max_new_tokens=6, temperature=0), decode="dropping")]
 
 
 def test_an_empty_prompt_is_refused_by_name_and_no_prompts_give_no_rollouts(loaded):
     ours, tok = loaded
     with pytest.raises(ValueError, match="empty prompt: every prompt needs at least one token"):
-        generate(ours, tok, [PROMPTS[0], []], max_new_tokens=2)
-    assert generate(ours, tok, [], n=4, max_new_tokens=2) == []
+        generate(ours, tok, [PROMPTS[0], []], Sampling(max_new_tokens=2))
+    assert generate(ours, tok, [], Sampling(n=4, max_new_tokens=2)) == []

@@ -10,7 +10,7 @@ import sft
 import train
 from conftest import common, read_log
 from plumbing.files import InputError
-from sample import generate, tokens_before_stop
+from sample import Sampling, generate, tokens_before_stop
 
 
 def answer_nll(tiny_model, adapter, examples):
@@ -81,8 +81,7 @@ def test_sft_on_the_bases_own_right_samples_trains_on_those_alone(tiny_model, da
     1 (the adapter still zero) it equals their state_nll_base, the base's NLL of its own samples."""
     model, tok = M.load(tiny_model)
     rows = data.load_gsm8k("train", data_dir)[:4]
-    drawn = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in rows], n=3, max_new_tokens=12,
-                     temperature=1.0, stop=data.GSM8K_STOP, seed=0)
+    drawn = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in rows], Sampling(n=3, max_new_tokens=12, temperature=1.0, stop=data.GSM8K_STOP, seed=0))
     monkeypatch.setattr(data, "is_correct", lambda text, gold: len(text) % 3 == 0)  # a reward that picks some
     right = [r for r in drawn if len(r.text) % 3 == 0]
     assert 0 < len(right) < len(drawn)

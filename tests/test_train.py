@@ -50,12 +50,12 @@ def test_learner_nll_takes_the_samplers_log_probs_where_the_learner_drew_the_tra
     """state_nll: an OPD step whose states are the student's own rollouts reads them from the
     sampler (no second forward); gold or teacher trajectories (None) are read by the learner."""
     import lora
-    from sample import generate
+    from sample import Sampling, generate
     ours, tok = M.load(tiny_model)
     lora.add_lora(ours, rank=4, alpha=8)
     randomize_adapter(ours)
     ours.train()  # as amid a step: the measure is the eval-mode learner, dropout or not
-    rollouts = generate(ours.eval(), tok, ["Question: 3 + 4?", "Question: 12 apples"], max_new_tokens=6, seed=1)
+    rollouts = generate(ours.eval(), tok, ["Question: 3 + 4?", "Question: 12 apples"], Sampling(max_new_tokens=6, seed=1))
     ours.train()
     sequences, starts = [r.prompt_ids + r.completion_ids for r in rollouts], [len(r.prompt_ids) for r in rollouts]
     sampled = [r.logprobs for r in rollouts]
@@ -253,7 +253,7 @@ def test_backward_weighs_each_micro_batch_by_its_share_of_the_steps_tokens(monke
     mean = (4 * 1.0 + 2 * 2.0 + 8 * 3.0 + 1 * 4.0) / 15
     for grad_accum, bound in ((1, 0), (3, 0), (1, 9), (4, 4)):
         w.grad = None
-        loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, grad_accum, bound, slopes=slopes,
+        loss, metrics, n_tokens = train.backward(loss_of, sequences, starts, train.Passes(grad_accum, bound), slopes=slopes,
                                                  places=places)
         assert n_tokens == 15 and metrics["seen"] == 1.0
         assert sorted(metrics["places"].tolist()) == sorted(torch.cat(places).tolist())  # joined, not summed
@@ -261,5 +261,5 @@ def test_backward_weighs_each_micro_batch_by_its_share_of_the_steps_tokens(monke
     # a second process with as many tokens of its own: this one's gradient is half the step's
     monkeypatch.setattr(processes, "summed", lambda *values: [2 * v for v in values])
     w.grad = None
-    train.backward(loss_of, sequences, starts, 2, 0, slopes=slopes, places=places)
+    train.backward(loss_of, sequences, starts, train.Passes(2, 0), slopes=slopes, places=places)
     assert torch.allclose(w.grad, torch.full((2,), mean / 2))
