@@ -1,4 +1,4 @@
-"""The study's readings (readings.py): each rule of docs/toy-study.md gives its verdict, and
+"""The study's readings (study/readings.py): each rule of docs/toy-study.md gives its verdict, and
 the other verdicts where its numbers or its precondition change."""
 import math
 

@@ -1,4 +1,5 @@
-"""frontier.py and reproduce.py --study frontier: forgetting at matched gain, by its rule."""
+"""study/frontier.py, reproduce.py --study frontier and results.py --study frontier: forgetting at matched
+gain, by its rule."""
 import json
 import math
 import os
@@ -133,6 +134,15 @@ def test_frontier_study_runs_end_to_end_in_miniature(tmp_path):
     assert [(c["on"], c["off"]) for c in report["pairs"]] == list(frontier.PAIRS)
     assert "P2 at matched gain" in (out / "frontier.md").read_text()
     assert (out / "frontier.png").stat().st_size > 1000
+    # the report again from the runs, by results.py's command
+    (out / "frontier.md").unlink(), (out / "frontier.json").unlink()
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out), "--study", "frontier"],
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and "P2 at matched gain" in again.stdout, again.stderr[-3000:]
+    assert json.loads((out / "frontier.json").read_text()) == report
+    alone = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(tmp_path), "--study", "frontier"],
+                           capture_output=True, text=True)
+    assert alone.returncode != 0 and "holds no base evaluation (eval.json)" in alone.stderr.strip().splitlines()[-1]
     wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
                             "frontier"], capture_output=True, text=True)
     assert wrong.returncode != 0 and "--study frontier is a toy study: pass --preset toy or toy-mini" in wrong.stderr

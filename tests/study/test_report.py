@@ -1,4 +1,4 @@
-"""The study's report (results.py): the table, seeds merged, the P4 correlations, and the
+"""The study's report (study/report.py, results.py): the table, seeds merged, the P4 correlations, and the
 fingerprints that keep numbers measured otherwise out of one column."""
 import argparse
 import itertools

@@ -1,3 +1,5 @@
+"""The model organism (toy.py, study/organism.py, study/world.py): the world, the shipped base, pretraining
+and its resume, the toy studies end to end."""
 import argparse
 import json
 import operator

@@ -1,4 +1,4 @@
-"""A run's life (runs.py): flags and one-line errors, run folders, resume, the stop between
+"""A run's life (plumbing/runs.py, plumbing/cli.py): flags and one-line errors, run folders, resume, the stop between
 steps, snapshots, locks."""
 import argparse
 import errno
@@ -439,7 +439,7 @@ def test_a_run_that_fails_before_its_first_checkpoint_leaves_no_run_folder(tmp_p
     code = ("import sys, argparse; sys.path.insert(0, sys.argv[1]); from plumbing import runs; "
             "import lora; runs.RunFolder(sys.argv[2], dict(save_every=2, snapshot_every=0, model='m', rank=4, alpha=8, "
             "resume=False), lora); raise SystemExit('error: no model')")
-    done = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.dirname(__file__)), folder],
+    done = subprocess.run([sys.executable, "-c", code, ROOT, folder],
                           capture_output=True, text=True)
     assert done.returncode == 1 and not os.path.exists(folder)
     # one killed before it wrote a checkpoint leaves its folder: other scripts say what it is
