@@ -1,7 +1,7 @@
 """
 Group sampling as rl.py does it: 8 prompts x 8 samples at temperature 1 from a policy with a
 rank-16 LoRA adapter on all seven linear layers of every block. Ours prefills each prompt
-once and copies its KV cache to its 8 samples (sample.generate(n=8)); transformers + peft
+once and copies its KV cache to its 8 samples (sample.Sampling(n=8)); transformers + peft
 repeat each prompt 8 times and prefill 64 rows (generate(num_return_sequences=8)). Same
 random Qwen3-0.6B-shape weights and the same adapter. Prints samples per second (each
 side's fastest round) and the ratio ours / theirs (median over rounds, range). Each dtype
