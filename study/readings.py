@@ -60,6 +60,8 @@ def p1(c, gap):
     if not c1:
         return "not tested here (C1 fails: SFT's data is not off-policy for the base)"
     others = [n for n in ("rl", "opd-mild", "opd-stress") if n in c]
+    if not others:  # all() of no comparison would read "shows"
+        return "not tested here (no on-policy run, rl, opd-mild or opd-stress, to compare with)"
     if not above(c, "stress", "mild", "forgetting"):
         return "refuted (stress SFT's forgetting does not stand out above mild SFT's)"
     if all(above(c, "stress", n, "forgetting") for n in others):

@@ -139,8 +139,13 @@ def test_results_md_ends_with_the_readings_when_the_base_was_scored():
     for name in ("mild", "stress"):
         for s, v in enumerate(STUDY[name]):
             found[name + (f"-seed{s}" if s else "")] = run(v)
+    text = R.results_markdown(found)  # SFT's runs alone: nothing on-policy to compare with
+    assert "- P1, strong off-policy SFT pressure causes forgetting: not tested here (no on-policy" in text
+    for s, v in enumerate(STUDY["rl"]):
+        found["rl" + (f"-seed{s}" if s else "")] = run(v)
     text = R.results_markdown(found)
-    assert "- P1, strong off-policy SFT pressure causes forgetting: shows" in text
+    assert "- P1, strong off-policy SFT pressure causes forgetting: shows (stress SFT forgets more than mild " \
+           "SFT and rl)" in text
     assert "P2" not in text  # its conditions were not run
     assert "The target over the base's 0.380 (500 questions)" in text
     assert "stress +0.427 (stands out)" in text
