@@ -18,10 +18,11 @@ METRICS = ("gsm8k", "forgetting", "retention", "update_norm", "state_distance")
 
 
 def conditions(grouped):
-    """condition -> metric -> (mean, standard deviation, seeds), from the rows of
-    results.group_seeds (the base left out)."""
-    return {r["run"]: {k: (r[k], r.get(k + "_std") or 0.0, r["seeds"]) for k in METRICS
-                       if r.get(k) is not None} for r in grouped if r["run"] != "base"}
+    """condition -> metric -> (mean, standard deviation, seeds that have it), from the rows of
+    report.group_seeds (the base left out). A metric fewer than two seeds have is left out:
+    it has no spread to read a difference against, and a rule that needs it is not read."""
+    return {r["run"]: {k: (r[k], r[k + "_std"], r[k + "_n"]) for k in METRICS
+                       if (r.get(k + "_n") or 0) >= 2} for r in grouped if r["run"] != "base"}
 
 
 def difference(c, a, b, metric):
@@ -124,7 +125,7 @@ def readings_lines(grouped, predictors, gap, n_questions):
     base = next((r["gsm8k"] for r in grouped if r["run"] == "base"), None)
     if not c or base is None or not any(name in c for name, _, _ in SIGNAL_PAIRS):
         return []
-    if min(v["gsm8k"][2] for v in c.values() if "gsm8k" in v) < 2:
+    if min(r["seeds"] for r in grouped if r["run"] != "base") < 2:
         return ["", "The readings by the rules written before the runs (readings.py) compare "
                     "conditions against their spread over seeds: run `python reproduce.py "
                     "--seeds 3` for them."]

@@ -129,7 +129,8 @@ METRICS = ("gsm8k", "gsm8k_fewshot", "gsm8k_pass", "gsm8k_mean", "truthfulqa", "
 
 def group_seeds(rows):
     """Rows of runs repeated over seeds (name-seed<s>) merged into one row per condition:
-    each metric's mean, and its standard deviation over seeds in <metric>_std."""
+    each metric's mean, its standard deviation over seeds in <metric>_std (None with fewer
+    than two values) and the number of seeds that have it in <metric>_n."""
     groups = {}
     for r in rows:
         groups.setdefault(runs.condition(r["run"]), []).append(r)
@@ -140,6 +141,7 @@ def group_seeds(rows):
             values = [r[k] for r in members if r[k] is not None]
             row[k] = statistics.mean(values) if values else None
             row[k + "_std"] = statistics.stdev(values) if len(values) > 1 else None
+            row[k + "_n"] = len(values)
         out.append(row)
     return out
 

@@ -151,3 +151,15 @@ def test_results_md_ends_with_the_readings_when_the_base_was_scored():
     assert "stress +0.427 (stands out)" in text
     del found["base"]["eval"]["gsm8k"]["n"]  # an eval.json from before the count was kept
     assert "P1" not in R.results_markdown(found)
+
+
+def test_a_metric_some_seeds_lack_counts_the_seeds_that_have_it_and_one_alone_is_not_read():
+    two = changed("opd-mild", "gsm8k", [0.45, 0.41, None])  # one seed's evaluation missing
+    c = readings.conditions(grouped(two))
+    m, s, k = c["opd-mild"]["gsm8k"]
+    assert (m, k) == (0.43, 2) and math.isclose(s, math.sqrt(2) * 0.02)
+    g, noise = readings.gain(c, "opd-mild", 0.38, 500)
+    assert math.isclose(noise, 2 * math.sqrt(0.38 * 0.62 / 500 + s ** 2 / 2))
+    one = changed("kd-stress", "state_distance", [0.86, None, None])  # no spread to read against
+    c = readings.conditions(grouped(one))
+    assert "state_distance" not in c["kd-stress"] and readings.p2(c) is None
