@@ -96,9 +96,10 @@ def p3(c, base, n, teacher, student, control):
         above(c, student, teacher, "retention") and not above(c, teacher, student, "gsm8k"))
     if not beats:
         return f"{student} does not beat its teacher"
-    owed = matched(c, student, control) and any(above(c, student, control, m)
-                                                for m in ("gsm8k", "retention"))
-    if owed:
+    if not matched(c, student, control):  # a larger update could win whatever its states
+        return (f"{student} beats its teacher; whether by its states is not tested here (its "
+                f"update norm and {control}'s are not matched)")
+    if any(above(c, student, control, m) for m in ("gsm8k", "retention")):
         return f"{student} beats its teacher, owed to the student's states (beyond {control})"
     return (f"{student} beats its teacher, not by its states: {control} does as well "
             f"(distillation from that teacher helps whatever the states)")

@@ -87,6 +87,13 @@ def test_p3_tells_a_win_owed_to_the_states_from_one_that_is_not_and_from_none():
     c = readings.conditions(grouped(ahead))
     assert "owed to the student's states" in readings.p3(c, 0.38, 500, "degraded",
                                                          "opd-degraded", "kd-degraded")
+    # the same win with the control's update half again as large: the states are not compared
+    larger = {**ahead, "kd-degraded": [(*v[:3], 1.5 * v[3], v[4]) for v in ahead["kd-degraded"]]}
+    c = readings.conditions(grouped(larger))
+    assert "whether by its states is not tested here" in readings.p3(c, 0.38, 500, "degraded",
+                                                                     "opd-degraded", "kd-degraded")
+    c = readings.conditions(grouped())  # as the study: matched norms, the control as good
+    assert "not by its states" in readings.p3(c, 0.38, 500, "degraded", "opd-degraded", "kd-degraded")
     lost = changed("opd-degraded", "retention", [0.41, 0.38, 0.44])
     c = readings.conditions(grouped(lost))
     assert readings.p3(c, 0.38, 500, "degraded", "opd-degraded", "kd-degraded") == (
