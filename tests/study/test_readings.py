@@ -170,3 +170,37 @@ def test_a_metric_some_seeds_lack_counts_the_seeds_that_have_it_and_one_alone_is
     one = changed("kd-stress", "state_distance", [0.86, None, None])  # no spread to read against
     c = readings.conditions(grouped(one))
     assert "state_distance" not in c["kd-stress"] and readings.p2(c) is None
+
+
+def test_each_rule_turns_at_its_boundary_and_not_before():
+    """A test a side of every threshold: a rule's constant moved, or its factor 2 made 1 or 3,
+    flips one of these."""
+    def c_of(**conds):  # name -> metric -> (mean, std, seeds)
+        return {n: {k: (v, 0.1, 3) if not isinstance(v, tuple) else v for k, v in m.items()}
+                for n, m in conds.items()}
+    se = 0.1 * math.sqrt(2 / 3)  # the standard error of a difference of two such conditions
+    for k, stands in ((1.9, False), (2.1, True)):  # two standard errors, not one or three
+        c = c_of(a=dict(forgetting=0.2 + k * se), b=dict(forgetting=0.2))
+        assert readings.above(c, "a", "b", "forgetting") is stands, k
+    for ratio, same in ((1.24, True), (1.26, False)):  # MATCHED_NORMS
+        c = c_of(a=dict(update_norm=10 * ratio), b=dict(update_norm=10.0))
+        assert readings.matched(c, "a", "b") is same and readings.matched(c, "b", "a") is same
+    sft = lambda d: c_of(mild=dict(gsm8k=0.5, forgetting=0.0, retention=1.0, update_norm=10.0,
+                                   state_distance=d),
+                         stress=dict(gsm8k=0.5, forgetting=1.0, retention=0.5, update_norm=50.0,
+                                     state_distance=d),
+                         rl=dict(gsm8k=0.6, forgetting=0.0, retention=1.0, update_norm=1.0))
+    for gap, distance, tested in ((0.29, 0.5, False), (0.31, 0.5, True), (0.5, 0.29, False),
+                                  (0.5, 0.31, True)):  # C1's OFF_POLICY_GAP and FAR_STATES
+        assert readings.p1(sft(distance), gap).startswith("shows") is tested, (gap, distance)
+    for farther, tested in ((0.09, False), (0.11, True)):  # C4: 0.1 farther
+        metrics = lambda d, f: dict(gsm8k=0.5, forgetting=f, retention=0.8, update_norm=20.0,
+                                    state_distance=d)
+        c = c_of(**{"opd-stress": metrics(0.8, 0.1), "kd-stress": metrics(0.8 + farther, 0.5)})
+        assert readings.p2(c).startswith("supported") is tested, farther
+    fit = lambda r2, p: {"mmd2": {"runs": {"pearson": math.sqrt(r2), "spearman_p": p}}}
+    for r2, p, verdict in ((0.49, 0.001, "supported"), (0.51, 0.001, "undecided"),
+                           (0.6, 0.049, "undecided"), (0.6, 0.051, "supported"),
+                           (0.79, 0.001, "undecided"), (0.81, 0.001, "refuted"),
+                           (0.9, 0.009, "refuted"), (0.9, 0.011, "undecided")):
+        assert readings.p4(fit(r2, p)).startswith(verdict), (r2, p)
