@@ -57,6 +57,22 @@ def test_the_rule_reads_supported_refuted_undecided_and_not_tested():
     assert noisy["verdict"] == "refuted" and noisy["grid"][0]["se"] == pytest.approx(0.2 / math.sqrt(3))
 
 
+
+def test_the_frontiers_rule_turns_at_its_boundaries():
+    """Two standard errors (not one or three), every matched gain (not any), MIN_OVERLAP."""
+    on = arm((0.2, 0.0))
+    for d, verdict in ((0.019, "refuted"), (0.021, "supported")):  # at every gain, d against 2 x 0.01
+        assert frontier.compare(on, arm((0.2, d)), question_se=0.01)["verdict"] == verdict, d
+    # d = 0 up to gain 0.1, beyond the noise above it: neither every gain beyond it nor every one within
+    half = frontier.compare(on, arm((0.1, 0.0), (0.2, 0.05)), question_se=0.01)
+    assert [x["d"] for x in half["grid"]] == pytest.approx([0.0] * 4 + [0.05] * 4)
+    assert half["verdict"] == "undecided"
+    flipped = frontier.compare(arm((0.1, 0.0), (0.2, 0.05)), on, question_se=0.01)  # d of -0.05 above 0.1
+    assert flipped["verdict"] == "undecided"
+    for top, tested in ((0.09, False), (0.11, True)):  # MIN_OVERLAP
+        c = frontier.compare(arm((top, 0.0)), arm((top, 0.0)), question_se=0.01)
+        assert (c["verdict"] != "not tested") is tested, top
+
 def log_run(folder, nll):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "log.jsonl"), "w") as f:
