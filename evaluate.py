@@ -279,7 +279,7 @@ def retention(base, post, stderr=None):
     # a base score of zero has no ratio: None (JSON null) rather than a NaN
     per = {t: dict(forgetting=base[t] - post[t], retention=post[t] / base[t] if base[t] else None)
            for t in tasks}
-    # base: what it was measured against (results.collect_runs)
+    # base: what it was measured against (report.collect_runs)
     out = dict(per_task=per, base={t: base[t] for t in tasks})
     if tasks:
         out["forgetting"] = sum(per[t]["forgetting"] for t in tasks) / len(tasks)

@@ -5,7 +5,7 @@ carries a fingerprint, the dict of what decides it: the base model, the adapter'
 fingerprint is the one its flags give now, and two results share a column of a table where
 theirs agree but for the adapter. A run folder's run.json answers the same question for a
 training run: which base, which teacher, which settings. The toy's base keeps one digest of
-its settings, world and code (toy.py). Every check stops with one line that says the fix.
+its settings, world and code (study/organism.py). Every check stops with one line that says the fix.
 """
 import hashlib
 import json

@@ -72,7 +72,7 @@ def point(row, folder, base_gsm8k, **where):
 
 def collect(root):
     """(the base's eval, every point): each run's end and evaluated snapshots, with its arm,
-    learning rate, seed and whether it is degenerate; rows as results.table_rows reads them."""
+    learning rate, seed and whether it is degenerate; rows as report.table_rows reads them."""
     found = report.collect_runs(root)
     base_gsm8k = found["base"]["eval"]["gsm8k"]["flexible"]
     points = []

@@ -119,7 +119,7 @@ def p4(predictors):
 
 
 def readings_lines(grouped, predictors, gap, n_questions):
-    """results.md's readings from results.group_seeds' rows: each prediction by its rule, then
+    """results.md's readings from report.group_seeds' rows: each prediction by its rule, then
     each condition's gain on the target against its noise. The rules read a spread over seeds:
     with one, a line says so."""
     c = conditions(grouped)

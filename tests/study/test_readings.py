@@ -30,7 +30,7 @@ KEYS = readings.METRICS
 
 
 def rows(study=STUDY, base=0.38):
-    """The single runs' rows, as results.table_rows gives them."""
+    """The single runs' rows, as report.table_rows gives them."""
     empty = dict.fromkeys(R.METRICS)
     out = [dict(empty, run="base", gsm8k=base)]
     for name, seeds in study.items():
