@@ -131,7 +131,7 @@ PRESETS = {
               "--batch-size", "4"],
         drift=["--prompts", "4", "--max-new-tokens", "24", "--stride", "8",
                "--permutations", "20"]),
-    # the CPU-scale model organism (toy.py): hyperparameters scaled for a 3.7M-parameter base
+    # the CPU-scale model organism (toy.py): hyperparameters scaled for a 1.0M-parameter base
     "toy": dict(
         model="toy",
         toy=[],

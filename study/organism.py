@@ -48,7 +48,7 @@ def add_toy_args(p):
     bpe = "byte-level BPE starts from the 256 bytes and the end-of-text token"
     p.add_argument("--vocab", type=cli.number(int, 257, why=bpe), default=2048,
                    help="BPE vocabulary")
-    p.add_argument("--hidden", type=cli.number(int, 2), default=256, help="hidden size")
+    p.add_argument("--hidden", type=cli.number(int, 2), default=128, help="hidden size")
     p.add_argument("--layers", type=cli.number(int, 1), default=4, help="transformer blocks")
     p.add_argument("--heads", type=cli.number(int, 2), default=4,
                    help="attention heads (half as many key/value heads)")
