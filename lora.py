@@ -283,17 +283,44 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False, 
 
 def update_norm(folder):
     """||delta W||_F over every layer the adapter in folder adapts: how far training moved the
-    weights, the weight-space counterpart of drift.py's state-space MMD. Per layer
-    ||s B A||_F^2 = s^2 tr((B^T B)(A A^T)), two rank x rank products instead of the out x in
-    matrix, in float64, since the terms span orders of magnitude."""
+    weights, the weight-space counterpart of drift.py's state-space MMD."""
     cfg, state = read_adapter(folder)
-    total = 0.0
+    triples = []
     for key, A in state.items():
         if key.endswith(".lora_A.weight"):
             B = state.get(key.replace(".lora_A.", ".lora_B."))
             if B is None:
                 raise InputError(f"{folder}: {key} has no lora_B beside it; the adapter file is "
                                  f"incomplete")
-            A, B = A.double(), B.double()
-            total += torch.trace((B.T @ B) @ (A @ A.T)).item()
-    return cfg["lora_alpha"] / cfg["r"] * total ** 0.5
+            triples.append((cfg["lora_alpha"] / cfg["r"], A, B))
+    return delta_norm(triples)
+
+
+def delta_norm(triples):
+    """||delta W||_F of (scaling s, A, B) layers: per layer ||s B A||_F^2 = s^2 tr((B^T B)(A A^T)),
+    two rank x rank products instead of the out x in matrix, in float64, since the terms span
+    orders of magnitude."""
+    total = torch.zeros((), dtype=torch.float64)
+    for s, A, B in triples:
+        A, B = A.detach().double(), B.detach().double()
+        total = total + s * s * torch.trace((B.T @ B) @ (A @ A.T)).cpu()
+    return total.sqrt().item()
+
+
+def cap_update_norm(model, bound, name="default"):
+    """--max-update-norm: where the adapter's update norm (update_norm's, on the live model) is
+    above bound, scale its A and B each by sqrt(bound / norm), so that the norm is bound (less a
+    millionth, which fp32 rounding cannot cross). The norm after, or None for bound 0 (no cap:
+    the adapter untouched)."""
+    if not bound:
+        return None
+    layers = [m for m in lora_layers(model).values() if name in m.lora_A]
+    norm = delta_norm([(m.scaling[name], m.lora_A[name], m.lora_B[name]) for m in layers])
+    if norm <= bound:
+        return norm
+    factor = math.sqrt(bound * (1 - 1e-6) / norm)
+    with torch.no_grad():
+        for m in layers:
+            m.lora_A[name].mul_(factor)
+            m.lora_B[name].mul_(factor)
+    return delta_norm([(m.scaling[name], m.lora_A[name], m.lora_B[name]) for m in layers])

@@ -196,10 +196,10 @@ def main(argv=None):
         run.check_finite(step + 1, loss)
         lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup,
                                              args.grad_clip)
+        norm = lora.cap_update_norm(model, args.max_update_norm)  # None: no --max-update-norm
 
-        record = dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens)
-        if args.signal == "logits":  # its loss is the KL at the states
-            record["state_kl"] = loss
+        record = dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
+                      update_norm=norm, state_kl=loss if args.signal == "logits" else None)
         rewards = [float(data.is_correct(r.text, row["gold"])) for r, row in zip(states, batch)]
         means = dict(reward=(sum(rewards), len(rewards)))
         if len(source_mix) > 1:  # a mixture: the share of the states each source drew

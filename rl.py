@@ -19,6 +19,7 @@ tokens of the batch (end-of-text included, so that it learns to stop).
     python rl.py --max-steps 20 --out out/rl-short
 """
 import argparse
+from dataclasses import replace
 
 import torch
 
@@ -88,6 +89,8 @@ def main(argv=None, reward_fn=exact_answer_reward):
                                             args.lr, args.weight_decay, args.seed, args.recompute)
     rows = data.load_gsm8k("train", args.data_dir)
     passes = train.Passes(args.grad_accum, args.micro_batch_tokens)
+    sampling = Sampling(n=args.group_size, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, stop=data.GSM8K_STOP)  # seeded each step
 
     def loss_of(sequences, starts, old_logp, advantages, ref_logp):  # a pass's share of each
         logp, _ = train.sequence_logprobs(model, sequences, starts, tok.pad_id)
@@ -100,9 +103,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
 
         # the state source: the current policy samples its own trajectories
         model.eval()
-        sampling = Sampling(n=args.group_size, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, stop=data.GSM8K_STOP,
-                            seed=run.step_seed(step) + first * args.group_size)
+        sampling = replace(sampling, seed=run.step_seed(step) + first * args.group_size)
         rollouts = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in batch], sampling)
         sequences, starts = [r.sequence for r in rollouts], [r.start for r in rollouts]
         # the signal: each sample's reward against its prompt's others, on each of its tokens
@@ -120,6 +121,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
             run.check_finite(step + 1, loss)
             lr, grad_norm = train.optimizer_step(optimizer, step, args.steps, args.lr, args.warmup,
                                                  args.grad_clip)
+            norm = lora.cap_update_norm(model, args.max_update_norm)  # None: no cap
 
         # each token's |trainer - sampler| log-prob gap (the last epoch's): its tail shows bf16's
         p95 = torch.tensor(processes.joined(metrics.pop("gaps").tolist())).quantile(0.95).item()
@@ -127,7 +129,7 @@ def main(argv=None, reward_fn=exact_answer_reward):
         n_sampled = sum(map(len, sampler_logp))
         # the states RL trains on are the policy's own: their NLL is that of its samples
         run.log(dict(step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
-                     sampler_gap_p95=p95, **metrics),
+                     update_norm=norm, sampler_gap_p95=p95, **metrics),
                 reward=(sum(rewards), len(rewards)),
                 no_signal_frac=((groups.std(1) == 0).sum().item(), len(groups)),
                 completion_len=(n_sampled, len(rollouts)),

@@ -84,13 +84,15 @@ def main(argv=None):
         run.check_finite(step + 1, loss)
         lr, grad_norm = train.optimizer_step(optimizer, step, total, args.lr, args.warmup,
                                              args.grad_clip)
+        norm = lora.cap_update_norm(model, args.max_update_norm)  # None: no --max-update-norm
 
         # SFT's states are dataset prefixes: their NLL under the learner is the loss itself
         new = [i for i in picked if i not in base_logp]
         seqs, sts = [examples[i][0] for i in new], [examples[i][1] for i in new]
         base_logp.update(zip(new, train.base_logprobs(model, seqs, sts, tok.pad_id, passes)))
         run.log(dict(step=step + 1, epoch=step * args.batch_size / len(examples), loss=loss,
-                     state_nll=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens),
+                     state_nll=loss, lr=lr, grad_norm=grad_norm, tokens=n_tokens,
+                     update_norm=norm),
                 state_nll_base=train.base_nll([base_logp[i] for i in picked]))
     print(f"done: adapter in {args.out}")
 

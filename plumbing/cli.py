@@ -213,6 +213,9 @@ def add_training_args(p, lr, rank, alpha, dropout=0.0, warmup=0.03):
     p.add_argument("--micro-batch-tokens", type=number(int, 0), default=8192,
                    help="most tokens, padding included, in one forward and backward pass; each "
                         "step's sequences are split under it (0 = no bound)")
+    p.add_argument("--max-update-norm", type=number(float, 0), default=0.0,
+                   help="after each step, scale the adapter down to this update norm where it is "
+                        "above (the table's column; 0 = no cap)")
     p.add_argument("--recompute", action="store_true",
                    help="keep only each layer's input for the backward pass and run the layer "
                         "again there: less activation memory for about a third more time, the "

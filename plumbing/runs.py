@@ -388,11 +388,13 @@ class RunFolder:
                              f"{self.folder} is complete")
 
     def log(self, record, **means):
-        """One line of log.jsonl: record, each of means as a mean over every process's items
-        (given as this process's (sum, count)), and the step's seconds."""
+        """One line of log.jsonl: record less its None values (a flag not given), each of means
+        as a mean over every process's items (given as this process's (sum, count)), and the
+        step's seconds."""
         sums = processes.summed(*(v for pair in means.values() for v in pair))
-        record = {**record, **{k: sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else None
-                               for i, k in enumerate(means)}, "seconds": time.time() - self.started}
+        record = {k: v for k, v in record.items() if v is not None}
+        record.update({k: sums[2 * i] / sums[2 * i + 1] if sums[2 * i + 1] else None
+                       for i, k in enumerate(means)}, seconds=time.time() - self.started)
         self.bar.set_postfix({k: f"{record[k]:.4f}" for k in ("loss", "reward")
                               if record.get(k) is not None})
         if processes.RANK:

@@ -279,3 +279,21 @@ def test_update_norm_is_the_norm_of_every_layers_weight_change(tiny_model, tmp_p
     save_file({k: v for k, v in load_file(path).items() if "layers.1.mlp.up_proj.lora_B" not in k}, path)
     with pytest.raises(InputError, match="up_proj.lora_A.weight has no lora_B beside it"):
         lora.update_norm(str(tmp_path / "ours"))
+
+
+def test_cap_update_norm_scales_the_update_down_to_the_bound_and_keeps_its_direction(tiny_model):
+    ours, _ = M.load(tiny_model)
+    lora.add_lora(ours, rank=4, alpha=12)
+    for layer in lora.lora_layers(ours).values():  # a trained-looking update: B away from zero
+        torch.nn.init.normal_(layer.lora_B["default"], std=0.1)
+    before = {n: layer.delta_weight("default").detach().clone() for n, layer in lora.lora_layers(ours).items()}
+    norm = sum(d.double().pow(2).sum() for d in before.values()).item() ** 0.5
+    assert lora.cap_update_norm(ours, 0.0) is None  # no cap: nothing measured, nothing moved
+    assert lora.cap_update_norm(ours, 2 * norm) == pytest.approx(norm, rel=1e-6)  # under it: untouched
+    after = {n: layer.delta_weight("default") for n, layer in lora.lora_layers(ours).items()}
+    assert all(torch.equal(before[n], after[n]) for n in before)
+    capped = lora.cap_update_norm(ours, norm / 3)
+    assert norm / 3 * (1 - 2e-6) <= capped <= norm / 3
+    for n, layer in lora.lora_layers(ours).items():  # every layer's change a third of what it was
+        # each entry a sum of rank products, rounded in fp32: a millionth of the layer's largest
+        assert (layer.delta_weight("default") - before[n] / 3).abs().max() <= 1e-6 * before[n].abs().max()

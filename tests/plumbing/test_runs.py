@@ -566,3 +566,21 @@ def test_model_and_data_come_from_the_run_json_of_the_folders_given(tmp_path, ca
     args = cli.model_and_data_from(argparse.Namespace(model=None, data_dir=None), {"out": "x"}, None)
     assert (args.model, args.data_dir) == (cli.DEFAULT_MODEL, None)
     assert "(default)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("script", ["sft", "rl", "opd"])
+def test_a_capped_run_stays_under_its_update_norm_and_resumes_to_the_same_adapter(tiny_model, data_dir, tmp_path,
+                                                                                  script):
+    main, extra = MAINS[script], short_run(script, tiny_model)
+    main(common(tiny_model, data_dir, tmp_path / "free", *extra, "--max-steps", 4))
+    assert all("update_norm" not in r for r in read_log(tmp_path / "free"))  # no cap: the log as before it
+    cap = lora.update_norm(str(tmp_path / "free")) / 2
+    capped = [*extra, "--max-update-norm", cap, "--save-every", 2]
+    main(common(tiny_model, data_dir, tmp_path / "full", *capped, "--max-steps", 4))
+    norms = [r["update_norm"] for r in read_log(tmp_path / "full")]
+    assert len(norms) == 4 and max(norms) <= cap and norms[-1] >= cap * (1 - 2e-6)  # it binds, never over
+    assert lora.update_norm(str(tmp_path / "full")) <= cap * (1 + 1e-6)  # the saved adapter's, as the table reads it
+    main(common(tiny_model, data_dir, tmp_path / "cut", *capped, "--max-steps", 2))
+    main(common(tiny_model, data_dir, tmp_path / "cut", *capped, "--max-steps", 4, "--resume"))
+    a, b = adapter_tensors(tmp_path / "full"), adapter_tensors(tmp_path / "cut")
+    assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) < 1e-6
