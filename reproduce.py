@@ -15,6 +15,7 @@ SFT with every gold answer's final number wrong), since the toy's stress SFT gai
     python reproduce.py --preset paper     # Qwen3-0.6B-Base, the paper's settings (one GPU)
     python reproduce.py --preset smoke     # every stage on a tiny random model: a pipeline check
     python reproduce.py --study frontier   # forgetting at matched gain (docs/frontier-study.md)
+    python reproduce.py --study size       # at a matched update norm (docs/size-study.md)
     python reproduce.py --conditions mild,stress,rl   # those alone (an OPD run brings its teacher)
 
 Every stage is skipped when its outputs exist (an evaluation or drift only when it is of the
@@ -47,13 +48,16 @@ import rl
 import sft
 from plumbing import cli, processes, provenance, runs
 from plumbing.files import InputError, read_json, write_json
-from study import frontier, organism, report
+from study import frontier, organism, report, size
 
 SCRIPTS = {"sft": sft.main, "rl": rl.main, "opd": opd.main}
 PARSERS = {"sft": sft.parse_args, "rl": rl.parse_args, "opd": opd.parse_args}
 # flags that say where a run lives or how it was computed, not what it learned
 NOT_SETTINGS = ("resume", "out", "model", "data_dir", "device", "dtype", "recompute", "grad_accum",
                 "micro_batch_tokens", "save_every", "snapshot_every")
+
+
+TOY_STUDIES = {"frontier": frontier, "size": size}  # beside the main study: its module
 
 
 def runs_of(out, seed=0):
@@ -79,39 +83,6 @@ def runs_of(out, seed=0):
     }
     return {name + tag: (script, [*argv, "--seed", str(seed)])
             for name, (script, argv) in conditions.items()}
-
-
-# the frontier study (docs/frontier-study.md): its arms, each script's learning rates (the toy
-# rate, then the high rate the probes chose), each script's flags and an arm's own
-FRONTIER = {
-    "toy": dict(arms=tuple(frontier.ARMS),
-                lrs={"sft": (2e-3, 6e-3), "rl": (3e-4, 1e-3), "opd": (3e-3, 1e-2)},
-                flags={"sft": ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38"],
-                       "rl": ["--group-size", "8", "--snapshot-every", "25"],  # as it ran
-                       "opd": ["--steps", "60", "--snapshot-every", "15"]},
-                arm_flags={"rs-sft": ["--samples-per-prompt", "3", "--max-new-tokens", "96"]}),
-    "toy-mini": dict(arms=("sft", "rl", "opd-student", "opd-data"),
-                     lrs={"sft": (1e-3,), "rl": (1e-3,), "opd": (1e-3,)},
-                     flags={script: ["--snapshot-every", "1"] for script in ("sft", "rl", "opd")},
-                     arm_flags={}),
-}
-
-
-def frontier_runs(out, seed=0, preset="toy"):
-    """name -> (script, arguments): every arm of the frontier study at each of its script's
-    learning rates, all with the same seed (seed s > 0: names end in -seed<s>). The OPD arms
-    learn from the rl arm's run at its first rate, which comes before them."""
-    spec = FRONTIER[preset]
-    teacher = os.path.join(out, frontier.run_name(frontier.TEACHER_ARM, spec["lrs"]["rl"][0], seed))
-    conditions = {}
-    for arm in spec["arms"]:
-        script, own = frontier.ARMS[arm]
-        flags = [*spec["flags"][script], *own, *spec["arm_flags"].get(arm, []),
-                 *(["--teacher", teacher] if script == "opd" else [])]
-        for lr in spec["lrs"][script]:
-            conditions[frontier.run_name(arm, lr, seed)] = (
-                script, [*flags, "--lr", str(lr), "--seed", str(seed)])
-    return conditions
 
 
 # the toy's scoring: zero-shot prompts (its context is 256 tokens), MMLU by each choice's text
@@ -311,9 +282,10 @@ def main(argv=None):
                    help="repeat the post-training conditions over this many seeds")
     p.add_argument("--out", default=None,
                    help="output root (default: out for paper, out/<preset> otherwise)")
-    p.add_argument("--study", choices=["main", "frontier", "pressure"], default="main",
+    p.add_argument("--study", choices=["main", *TOY_STUDIES, "pressure"], default="main",
                    help="main: the paper's conditions; frontier (or its old name, pressure): "
-                        "forgetting at matched gain (toy presets, docs/frontier-study.md)")
+                        "forgetting at matched gain (docs/frontier-study.md); size: at a matched "
+                        "update norm (docs/size-study.md); toy presets")
     p.add_argument("--pretrain", action="store_true",
                    help="toy presets: pretrain the base here even where the one shipped in "
                         "toy-base/ is the same")
@@ -330,11 +302,11 @@ def main(argv=None):
         raise InputError("reproduce.py runs in one process; under torchrun, run the study's "
                          "scripts one by one (README: More than one GPU)")
     args.study = "frontier" if args.study == "pressure" else args.study  # its name before
-    if args.study == "frontier" and args.preset not in FRONTIER:
-        raise InputError(f"--study frontier is a toy study: pass --preset "
-                         f"{' or '.join(FRONTIER)}")
+    if args.study in TOY_STUDIES and args.preset not in TOY_STUDIES[args.study].SPECS:
+        raise InputError(f"--study {args.study} is a toy study: pass --preset "
+                         f"{' or '.join(TOY_STUDIES[args.study].SPECS)}")
     out = args.out or ("out" if args.preset == "paper" else f"out/{args.preset}")
-    out = os.path.join(out, "frontier") if args.study == "frontier" and not args.out else out
+    out = os.path.join(out, args.study) if args.study in TOY_STUDIES and not args.out else out
     # held: a second reproduce.py in the same folder would train the same runs at once
     with runs.locked(out):
         study(args, PRESETS[args.preset], out)
@@ -366,7 +338,7 @@ def study(args, preset, out):
     conditions = {}
     for seed in range(args.seeds):
         conditions.update(runs_of(out, seed) if args.study == "main" else
-                          frontier_runs(out, seed, args.preset))
+                          TOY_STUDIES[args.study].runs_of(out, seed, args.preset))
     conditions = chosen(conditions, args.conditions, out) if args.conditions else conditions
     model, data_dir = base_model(args, preset, out)
     device = [f for k in ("device", "dtype") if getattr(args, k)
@@ -392,7 +364,7 @@ def study(args, preset, out):
         [*unmeasured(), "--out", out, *common, *preset["drift"], *rollout]))])
 
     table = report.write_results(out, preset=args.preset, model=model, timings=stages.timings)
-    print(table if args.study == "main" else frontier.write_report(out))
+    print(table if args.study == "main" else TOY_STUDIES[args.study].write_report(out))
     took = ", ".join(f"{k} {v:.0f}" for k, v in stages.timings.items())
     print(f"time of each stage (s): {took}; together {sum(stages.timings.values()) / 60:.1f} min; "
           f"this run took {(time.time() - t0) / 60:.1f} min")

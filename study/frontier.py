@@ -32,6 +32,39 @@ MIN_OVERLAP = 0.1  # a pair whose arms share less range of gain is not tested
 JUMP = 0.5  # nats per token: a run whose own states moved this far from the base while it trained
 
 
+# each preset's arms, each script's learning rates (the toy
+# rate, then the high rate the probes chose), each script's flags and an arm's own
+SPECS = {
+    "toy": dict(arms=tuple(ARMS),
+                lrs={"sft": (2e-3, 6e-3), "rl": (3e-4, 1e-3), "opd": (3e-3, 1e-2)},
+                flags={"sft": ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38"],
+                       "rl": ["--group-size", "8", "--snapshot-every", "25"],  # as it ran
+                       "opd": ["--steps", "60", "--snapshot-every", "15"]},
+                arm_flags={"rs-sft": ["--samples-per-prompt", "3", "--max-new-tokens", "96"]}),
+    "toy-mini": dict(arms=("sft", "rl", "opd-student", "opd-data"),
+                     lrs={"sft": (1e-3,), "rl": (1e-3,), "opd": (1e-3,)},
+                     flags={script: ["--snapshot-every", "1"] for script in ("sft", "rl", "opd")},
+                     arm_flags={}),
+}
+
+
+def runs_of(out, seed=0, preset="toy"):
+    """name -> (script, arguments): every arm of the frontier study at each of its script's
+    learning rates, all with the same seed (seed s > 0: names end in -seed<s>). The OPD arms
+    learn from the rl arm's run at its first rate, which comes before them."""
+    spec = SPECS[preset]
+    teacher = os.path.join(out, run_name(TEACHER_ARM, spec["lrs"]["rl"][0], seed))
+    conditions = {}
+    for arm in spec["arms"]:
+        script, own = ARMS[arm]
+        flags = [*spec["flags"][script], *own, *spec["arm_flags"].get(arm, []),
+                 *(["--teacher", teacher] if script == "opd" else [])]
+        for lr in spec["lrs"][script]:
+            conditions[run_name(arm, lr, seed)] = (
+                script, [*flags, "--lr", str(lr), "--seed", str(seed)])
+    return conditions
+
+
 def run_name(arm, lr, seed=0):
     return f"{arm}-lr{lr:g}" + (f"-seed{seed}" if seed else "")
 

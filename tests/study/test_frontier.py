@@ -96,7 +96,7 @@ def test_run_names_round_trip_and_other_folders_are_not_arms():
 
 
 def test_each_arm_has_its_scripts_flags_and_the_opd_arms_learn_from_the_rl_arm():
-    runs = reproduce.frontier_runs("out/f", seed=1)
+    runs = frontier.runs_of("out/f", seed=1)
     assert len(runs) == 6 * 2 and list(runs).index("rl-lr0.0003-seed1") < list(runs).index("opd-student-lr0.003-seed1")
     teacher = ["--teacher", "out/f/rl-lr0.0003-seed1"]
     mild = ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38"]

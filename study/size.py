@@ -1,0 +1,248 @@
+"""
+The size study's report (docs/size-study.md): do the state sources differ in forgetting once
+the update is of the same size? Each arm of a pair (the same loss, its states from elsewhere)
+trains under each cap on its update norm (--max-update-norm) at a rate that reaches it, with
+snapshots along the way; at each cap the pair is compared at matched gain as the frontier
+study compares it, with a standard error over seeds and questions, and the caps' comparisons
+give one verdict by the rule fixed before the runs.
+
+    python reproduce.py --study size             # one seed, into out/toy/size
+    python results.py out/toy/size --study size  # the report again from the runs
+"""
+import functools
+import math
+import os
+import re
+import statistics
+
+import evaluate
+from plumbing.files import write_atomic, write_json
+from study import figures, frontier, report
+
+# (on-policy arm, off-policy arm): the same loss, the states from elsewhere
+PAIRS = (("rs-sft", "sft"), ("rl", "sft"), ("opd-student", "opd-data"))
+DECIDING = 2  # a pair's highest caps tested that decide "supported"
+BAND = 0.03  # "refuted": every d within the noise and within this much of zero
+BINDS = 0.95  # a capped run binds where it ends within 5% of its cap
+
+# each preset's arms: a learning rate that reaches the caps, and the caps each arm runs at;
+# the OPD arms learn from the frontier's teacher (RL uncapped at the frontier's first rate)
+SPECS = {
+    "toy": dict(lrs={"sft": 6e-3, "rs-sft": 6e-3, "rl": 1e-3, "opd-student": 1e-2,
+                     "opd-data": 1e-2},
+                caps=(2.0, 4.0, 8.0, 16.0), arm_caps={"rl": (1.0, 2.0)}),
+    "toy-mini": dict(lrs={"sft": 1e-3, "rl": 1e-3, "opd-student": 1e-3, "opd-data": 1e-3},
+                     caps=(0.02, 0.05), arm_caps={}),
+}
+
+
+def run_name(arm, cap, seed=0):
+    return f"{arm}-cap{cap:g}" + (f"-seed{seed}" if seed else "")
+
+
+def parse_name(name):
+    """(arm, cap, seed) of a run_name, or None for another folder (the teacher's among them)."""
+    m = re.fullmatch(r"([a-z-]+?)-cap([0-9.e+-]+?)(?:-seed(\d+))?", name)
+    return (m[1], float(m[2]), int(m[3] or 0)) if m and m[1] in frontier.ARMS else None
+
+
+def caps_of(arm, preset="toy"):
+    spec = SPECS[preset]
+    return spec["arm_caps"].get(arm, spec["caps"])
+
+
+def runs_of(out, seed=0, preset="toy"):
+    """name -> (script, arguments): the OPD arms' teacher first, then every arm at each of its
+    caps with the frontier study's flags for its script and its own, all with the same seed."""
+    spec, flags = SPECS[preset], frontier.SPECS[preset]
+    teacher_lr = flags["lrs"][frontier.TEACHER_ARM][0]
+    teacher = frontier.run_name(frontier.TEACHER_ARM, teacher_lr, seed)
+    conditions = {teacher: ("rl", [*flags["flags"]["rl"], "--lr", str(teacher_lr),
+                                   "--seed", str(seed)])}
+    for arm, lr in spec["lrs"].items():
+        script, own = frontier.ARMS[arm]
+        arm_flags = [*flags["flags"][script], *own, *flags["arm_flags"].get(arm, []),
+                     *(["--teacher", os.path.join(out, teacher)] if script == "opd" else [])]
+        for cap in caps_of(arm, preset):
+            conditions[run_name(arm, cap, seed)] = (
+                script, [*arm_flags, "--max-update-norm", str(cap), "--lr", str(lr),
+                         "--seed", str(seed)])
+    return conditions
+
+
+def collect(root):
+    """(the base's eval, every point): each capped run's end and evaluated snapshots, with its
+    arm, cap, seed, folder (path) and whether it is degenerate (frontier.degenerate)."""
+    found = report.collect_runs(root)
+    base_gsm8k = found["base"]["eval"]["gsm8k"]["flexible"]
+    points = []
+    for row in report.table_rows(found):
+        parsed = parse_name(row["run"])
+        if parsed is None:
+            continue
+        folder = found[row["run"]]["folder"]
+        where = dict(run=row["run"], arm=parsed[0], cap=parsed[1], seed=parsed[2],
+                     degenerate=frontier.degenerate(folder))
+        shots = report.collect_runs(os.path.join(folder, "snapshots"))
+        for snap in report.table_rows(shots):
+            at = shots[snap["run"]]["folder"]
+            points.append(frontier.point(snap, at, base_gsm8k, path=at, **where))
+        points.append(frontier.point(row, folder, base_gsm8k, path=folder, **where))
+    return found["base"]["eval"], points
+
+
+@functools.lru_cache(maxsize=None)
+def question_se(folder_a, folder_b):
+    """The standard error of forgetting(a) - forgetting(b) from the retention questions alone:
+    both answer the same questions, so per task the error of the mean of the per-question
+    differences (evaluate.paired_stderr), the tasks' errors added in squares, over two tasks."""
+    errors = evaluate.paired_stderr(evaluate.read_samples(folder_a),
+                                    evaluate.read_samples(folder_b), folder_a)
+    return math.sqrt(sum(e * e for e in errors.values())) / len(errors)
+
+
+def least_forgetting(points, gain):
+    """The point of least forgetting among those with at least this gain (None: none)."""
+    reached = [p for p in points if p["gain"] >= gain]
+    return min(reached, key=lambda p: p["forgetting"]) if reached else None
+
+
+def compare(on, off):
+    """One pair at one cap ({seed: points} each): over the gains both arms reach in every seed,
+    (0, G] at frontier.GRID gains, d = forgetting(off) - forgetting(on) of each seed's
+    least_forgetting points; its mean, each seed's, and a standard error that adds in squares
+    the seeds' (their spread over sqrt(seeds)) and the questions' (question_se, root mean
+    square over the seeds, not divided by them: every seed answers the same questions)."""
+    seeds = sorted(set(on) & set(off))
+    if not seeds:
+        return dict(why="an arm has no points", grid=[])
+    top = min(max(p["gain"] for p in arm[s]) for arm in (on, off) for s in seeds)
+    if top < frontier.MIN_OVERLAP:
+        return dict(seeds=len(seeds), top=top, grid=[],
+                    why=f"the arms share gains up to {top:+.3f} only, under "
+                        f"{frontier.MIN_OVERLAP}")
+    grid = []
+    for g in (top * i / frontier.GRID for i in range(1, frontier.GRID + 1)):
+        chosen = [(least_forgetting(off[s], g), least_forgetting(on[s], g)) for s in seeds]
+        d = [a["forgetting"] - b["forgetting"] for a, b in chosen]
+        questions = math.sqrt(statistics.mean(question_se(a["path"], b["path"]) ** 2
+                                              for a, b in chosen))
+        spread = statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else 0.0
+        grid.append(dict(gain=g, d=statistics.mean(d), per_seed=d,
+                         se=math.hypot(spread, questions)))
+    return dict(seeds=len(seeds), top=top, grid=grid)
+
+
+def verdict(comparisons):
+    """The rule's verdict from one pair's comparisons, one a cap in increasing order: not tested
+    at fewer than DECIDING caps tested; supported where at the DECIDING highest caps tested d
+    stands out (above two standard errors, every seed's above 0) at every matched gain; refuted
+    where at every cap tested every d is within two standard errors and within BAND of zero;
+    else undecided."""
+    tested = [c for c in comparisons if c["grid"]]
+    if len(tested) < DECIDING:
+        return "not tested"
+    if all(x["d"] > 2 * x["se"] and min(x["per_seed"]) > 0
+           for c in tested[-DECIDING:] for x in c["grid"]):
+        return "supported"
+    if all(abs(x["d"]) <= 2 * x["se"] and abs(x["d"]) <= BAND for c in tested for x in c["grid"]):
+        return "refuted"
+    return "undecided"
+
+
+def reading(root):
+    """size.json's content: every point, the runs' ends, each pair at each cap and its verdict."""
+    base, points = collect(root)
+    kept = [p for p in points if not p["degenerate"]]
+    pairs = []
+    for on, off in PAIRS:
+        caps = sorted({p["cap"] for p in kept if p["arm"] == on} &
+                      {p["cap"] for p in kept if p["arm"] == off})
+        arms = {cap: frontier.by_arm([p for p in kept if p["cap"] == cap]) for cap in caps}
+        at = [dict(cap=cap, **compare(arms[cap].get(on, {}), arms[cap].get(off, {})))
+              for cap in caps]
+        pairs.append(dict(on=on, off=off, caps=at, verdict=verdict(at)))
+    return dict(points=[{k: v for k, v in p.items() if k != "path"} for p in points],
+                ends=ends(points), pairs=pairs)
+
+
+def ends(points):
+    """Per (arm, cap), the runs' last points over seeds: the mean and standard deviation of
+    update norm, forgetting and gain, and how many runs bind (end within 5% of the cap)."""
+    last = {}
+    for p in points:
+        if p["step"] >= last.get(p["run"], p)["step"]:
+            last[p["run"]] = p
+    groups = {}
+    for p in last.values():
+        groups.setdefault((p["arm"], p["cap"]), []).append(p)
+    rows = []
+    for (arm, cap), group in sorted(groups.items(), key=lambda kv: (list(frontier.ARMS)
+                                                                   .index(kv[0][0]), kv[0][1])):
+        row = dict(arm=arm, cap=cap, seeds=len(group),
+                   binds=sum(p["update_norm"] >= BINDS * cap for p in group),
+                   degenerate=sum(p["degenerate"] for p in group))
+        for k in ("update_norm", "forgetting", "gain"):
+            values = [p[k] for p in group if p[k] is not None]
+            row[k] = (statistics.mean(values) if values else None,
+                      statistics.stdev(values) if len(values) > 1 else None)
+        rows.append(row)
+    return rows
+
+
+def markdown(r):
+    lines = ["# The size study", "", "The end of each run over seeds, mean±standard deviation "
+             "(binds: runs that end within 5% of their cap):", "",
+             "| arm | cap | seeds | binds | update norm | forgetting | GSM8K gain | degenerate |",
+             "|---|---|---|---|---|---|---|---|"]
+    for e in r["ends"]:
+        cells = [report.fmt(e[k][0], spec, e[k][1]) for k, spec in
+                 (("update_norm", ".2f"), ("forgetting", ".3f"), ("gain", ".3f"))]
+        lines.append(f"| {e['arm']} | {e['cap']:g} | {e['seeds']} | {e['binds']} | "
+                     f"{' | '.join(cells)} | {e['degenerate'] or ''} |")
+    lines += ["", "Each pair at each cap, by the rule (d = forgetting of the off-policy arm minus "
+              "the on-policy arm's at matched gain; its standard error covers the seeds' spread "
+              "and the retention questions' noise):", ""]
+    for c in r["pairs"]:
+        lines.append(f"- **{c['on']} against {c['off']}: {c['verdict']}**")
+        for at in c["caps"]:
+            if not at["grid"]:
+                lines.append(f"  - cap {at['cap']:g}: not tested ({at['why']})")
+                continue
+            grid = ", ".join(f"{x['d']:+.3f} ({x['se']:.3f})" for x in at["grid"])
+            lines.append(f"  - cap {at['cap']:g}, gains {at['top'] / frontier.GRID:.3f} to "
+                         f"{at['top']:.3f}, {at['seeds']} seed(s); d (standard error): {grid}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(root, r):
+    """size.png: forgetting against update norm, every point, a colour an arm, the caps dotted."""
+    plt = figures.pyplot()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    for arm in frontier.ARMS:
+        pts = [p for p in r["points"] if p["arm"] == arm and p["forgetting"] is not None]
+        if pts:
+            ax.plot([p["update_norm"] for p in pts], [p["forgetting"] for p in pts], "o", ms=3,
+                    label=arm)
+    for cap in sorted({p["cap"] for p in r["points"]}):
+        ax.axvline(cap, color="grey", ls=":", lw=0.8)
+    ax.set(xlabel="update norm (caps dotted)", ylabel="forgetting",
+           title="forgetting at a capped update size")
+    ax.legend(fontsize=7)
+    path = os.path.join(root, "size.png")
+    fig.tight_layout()
+    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
+    plt.close(fig)
+    return path
+
+
+def write_report(root):
+    """size.json, size.md and size.png in root; returns the markdown."""
+    r = reading(root)
+    write_json(os.path.join(root, "size.json"), r)
+    text = markdown(r)
+    write_atomic(os.path.join(root, "size.md"), lambda p: open(p, "w").write(text))
+    plot(root, r)
+    return text

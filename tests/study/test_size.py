@@ -1,0 +1,121 @@
+"""study/size.py, reproduce.py --study size and results.py --study size: forgetting at a matched update norm."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+from study import frontier, size
+
+
+def arm(*gain_forgetting, seed=0):
+    return [dict(gain=g, forgetting=f, path=f"{seed}-{g}-{f}") for g, f in gain_forgetting]
+
+
+def seeds(*arms):
+    return dict(enumerate(arms))
+
+
+def test_run_names_and_each_arms_flags_and_caps():
+    for a in frontier.ARMS:
+        assert size.parse_name(size.run_name(a, 4.0, 2)) == (a, 4.0, 2)
+        assert size.parse_name(size.run_name(a, 0.5)) == (a, 0.5, 0)
+    assert size.parse_name("rl-lr0.0003") is None and size.parse_name("base-model") is None  # the teacher: no point
+    runs = size.runs_of("out/s", seed=1)
+    teacher = "rl-lr0.0003-seed1"
+    assert list(runs)[0] == teacher and runs[teacher] == ("rl", ["--group-size", "8", "--snapshot-every", "25",
+                                                                "--lr", "0.0003", "--seed", "1"])
+    spec = size.SPECS["toy"]
+    assert {n for n in runs if n.startswith("rl-cap")} == {f"rl-cap{c:g}-seed1" for c in spec["arm_caps"]["rl"]}
+    top = spec["caps"][-1]
+    assert runs[f"sft-cap{top:g}-seed1"] == ("sft", ["--preset", "mild", "--epochs", "3", "--snapshot-every", "38",
+                                                    "--max-update-norm", str(top), "--lr", "0.006", "--seed", "1"])
+    assert runs[f"opd-data-cap{top:g}-seed1"][1] == [
+        "--steps", "60", "--snapshot-every", "15", "--state-source", "data", "--teacher", "out/s/" + teacher,
+        "--max-update-norm", str(top), "--lr", "0.01", "--seed", "1"]
+    assert len(runs) == 1 + 4 * len(spec["caps"]) + len(spec["arm_caps"]["rl"])
+
+
+def test_the_standard_error_adds_the_questions_noise_unshrunk_by_seeds_to_the_seeds_spread(monkeypatch):
+    monkeypatch.setattr(size, "question_se", lambda a, b: 0.01)
+    on = arm((0.3, 0.0))
+    same = size.compare(seeds(on, on, on), seeds(*[arm((0.3, 0.1))] * 3))
+    assert all(x["d"] == pytest.approx(0.1) and x["se"] == pytest.approx(0.01) for x in same["grid"])  # not 0.01/sqrt(3)
+    spread = size.compare(seeds(on, on, on), seeds(arm((0.3, 0.1)), arm((0.3, 0.2)), arm((0.3, 0.3))))
+    x = spread["grid"][-1]
+    assert x["per_seed"] == pytest.approx([0.1, 0.2, 0.3])
+    assert x["se"] == pytest.approx(math.hypot(0.1 / math.sqrt(3), 0.01))
+    short = size.compare(seeds(on), seeds(arm((0.09, 0.0))))  # the arms share gains under 0.1: no comparison
+    assert short["grid"] == [] and "under 0.1" in short["why"]
+    assert size.compare(seeds(on), {})["why"] == "an arm has no points"
+
+
+def test_the_pairs_at_matched_gain_pick_each_seeds_least_forgetting_point(monkeypatch):
+    asked = []
+    monkeypatch.setattr(size, "question_se", lambda a, b: asked.append((a, b)) or 0.0)
+    off = arm((0.1, 0.05), (0.3, 0.2), (0.3, 0.15))  # the least forgetting at 0.3 or more: 0.15
+    c = size.compare(seeds(arm((0.3, 0.0))), seeds(off))
+    assert [round(x["d"], 6) for x in c["grid"]][-1] == 0.15 and asked[-1] == ("0-0.3-0.15", "0-0.3-0.0")
+
+
+def comparison(d, se, per_seed=None):
+    return dict(grid=[dict(gain=0.1, d=d, se=se, per_seed=per_seed or [d, d, d])])
+
+
+def test_the_size_rule_turns_at_its_boundaries():
+    untested = dict(grid=[], why="under 0.1")
+    assert size.verdict([comparison(0.2, 0.01)]) == "not tested"  # one cap tested: fewer than DECIDING
+    assert size.verdict([untested, comparison(0.2, 0.01), untested]) == "not tested"
+    assert size.verdict([comparison(0.0, 0.01), comparison(0.2, 0.01), comparison(0.2, 0.01)]) == "supported"
+    # two standard errors exactly: not beyond them
+    assert size.verdict([comparison(0.0, 0.01), comparison(0.2, 0.1), comparison(0.2, 0.01)]) == "undecided"
+    assert size.verdict([comparison(0.2, 0.01), comparison(0.2001, 0.1)]) == "supported"
+    # a seed whose d is not above 0 keeps it from "supported"
+    assert size.verdict([comparison(0.2, 0.01), comparison(0.2, 0.01, [0.3, 0.3, 0.0])]) == "undecided"
+    # every d within two standard errors and within the band (0.03): refuted; outside the band: undecided
+    assert size.verdict([comparison(0.02, 0.01), comparison(-0.03, 0.015)]) == "refuted"
+    assert size.verdict([comparison(0.02, 0.01), comparison(0.031, 0.02)]) == "undecided"
+    assert size.verdict([comparison(0.02, 0.01), comparison(0.021, 0.01)]) == "undecided"  # beyond the noise
+
+
+def write_samples(folder, mmlu, truthfulqa):
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "eval_samples.jsonl"), "w") as f:
+        for task, right in (("mmlu", mmlu), ("truthfulqa", truthfulqa)):
+            for i, c in enumerate(right):
+                f.write(json.dumps(dict(task=task, index=i, prompt=f"q{i}", correct=bool(c))) + "\n")
+
+
+def test_the_questions_noise_of_a_difference_is_paired_question_by_question(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    write_samples(a, [1, 1, 0, 0], [1, 0, 1, 0])
+    write_samples(b, [1, 0, 0, 0], [1, 0, 1, 0])  # truthfulqa answered alike: no noise from it
+    mmlu = math.sqrt(((1 - 0.25) ** 2 + 3 * 0.25 ** 2) / 3 / 4)  # per-question differences 0, 1, 0, 0
+    assert size.question_se(a, b) == pytest.approx(mmlu / 2)
+
+
+def test_size_study_runs_end_to_end_in_miniature(tmp_path):
+    out = tmp_path / "size"
+    cmd = [sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "toy-mini", "--study", "size", "--out",
+           str(out), "--conditions", "sft-cap0.05,opd-data-cap0.05"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    report = json.loads((out / "size.json").read_text())
+    assert {p["run"] for p in report["points"]} == {"sft-cap0.05", "opd-data-cap0.05"}  # the teacher is no point
+    run = json.loads((out / "opd-data-cap0.05" / "run.json").read_text())
+    assert run["max_update_norm"] == 0.05 and run["teacher"] == str(out / "rl-lr0.001")
+    for e in report["ends"]:  # the caps bind in miniature too
+        assert e["binds"] == 1 and e["update_norm"][0] <= e["cap"], e
+    assert [(c["on"], c["off"]) for c in report["pairs"]] == list(size.PAIRS)
+    assert "# The size study" in (out / "size.md").read_text() and (out / "size.png").stat().st_size > 1000
+    (out / "size.json").unlink()
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out), "--study", "size"],
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and "# The size study" in again.stdout, again.stderr[-3000:]
+    assert json.loads((out / "size.json").read_text()) == report
+    wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
+                            "size"], capture_output=True, text=True)
+    assert wrong.returncode != 0 and "--study size is a toy study: pass --preset toy or toy-mini" in wrong.stderr
