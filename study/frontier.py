@@ -228,7 +228,9 @@ def point_lines(points):
 
 def pair_lines(r):
     lines = [f"P2 at matched gain, by the rule (d = forgetting of the off-policy arm minus the "
-             f"on-policy arm's; one seed's standard error: {r['question_se']:.3f}):", ""]
+             f"on-policy arm's; its standard error: the seeds' spread over the square root of "
+             f"their number, which leaves out the questions' noise that every seed shares; "
+             f"with one seed, the questions' alone: {r['question_se']:.3f}):", ""]
     for c in r["pairs"]:
         head = f"- **{c['on']} against {c['off']}: {c['verdict']}**"
         if not c["grid"]:

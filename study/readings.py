@@ -139,7 +139,9 @@ def readings_lines(grouped, predictors, gap, n_questions):
     if not verdicts:  # a teacher run without the conditions any rule reads
         return []
     lines = ["", "Readings by the rules written before the runs (docs/toy-study.md): a "
-                 "difference stands out beyond two standard errors over seeds.", ""]
+                 "difference stands out beyond two standard errors over seeds (the seeds' "
+                 "spread alone: every seed answers the same questions, so their noise is not "
+                 "in it).", ""]
     lines += [f"- {name}: {v}." for name, v in verdicts]
     gains = []
     for name in c:
@@ -148,4 +150,5 @@ def readings_lines(grouped, predictors, gap, n_questions):
             gains.append(f"{name} {g:+.3f}{' (stands out)' if abs(g) > noise else ''} "
                          f"against {noise:.3f}")
     return lines + ["", f"The target over the base's {base:.3f} ({n_questions} questions), each "
-                        f"gain against its two standard errors: {'; '.join(gains)}."]
+                        f"gain against its two standard errors (the base's question noise and "
+                        f"the run's seeds' spread): {'; '.join(gains)}."]
