@@ -165,9 +165,9 @@ def teacher_changed(folder):
     return recorded is not None and recorded != adapter_sha256(run["teacher"])
 
 
-def changed_settings(folder, settings, ignore=("resume",)):
-    """'--flag old -> new' for each of settings whose value differs from run.json's."""
-    before = run_record(folder) or {}
+def changed_settings(before, settings, ignore=("resume",)):
+    """'--flag old -> new' for each of settings whose value differs from before's (a run.json's
+    settings, as run_record reads them)."""
     return [f"--{k.replace('_', '-')} {before[k]} -> {v}" for k, v in settings.items()
             if k not in ignore and k in before and before[k] != v]
 
@@ -175,12 +175,13 @@ def changed_settings(folder, settings, ignore=("resume",)):
 def check_trained_as(folder, model, settings, ignore, what):
     """Stop unless the run in folder is `what` asks for: trained on this base, from the
     teacher there now, with these settings (leaving out those in ignore)."""
-    check_same_base(folder, model)
+    record = run_record(folder)
+    check_same_base(folder, model, record)
     if teacher_changed(folder):
         raise InputError(f"{folder} was distilled from an earlier adapter of its teacher than the "
                          f"one there now; delete the folder to train it again, or pass another "
                          f"--out")
-    changed = changed_settings(folder, settings, ignore)
+    changed = changed_settings(record or {}, settings, ignore)
     if changed:
         raise InputError(f"{folder} was trained with other settings than {what} "
                          f"({'; '.join(changed)}); delete the folder, or pass another --out")

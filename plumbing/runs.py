@@ -230,12 +230,12 @@ class RunFolder:
                                  f"what the run started from, or start a new run with --out")
         # the checkpoint's adapter has its rank, and its alpha set the scale it trained under
         shape = {k: settings[k] for k in ("rank", "alpha")}
-        reshaped = provenance.changed_settings(folder, shape)
+        reshaped = provenance.changed_settings(before, shape)
         if reshaped:
             raise InputError(f"{folder}'s adapter was trained with other LoRA settings "
                              f"({'; '.join(reshaped)}); resume with its own, or start a new run "
                              f"with --out")
-        changed = provenance.changed_settings(folder, settings)
+        changed = provenance.changed_settings(before, settings)
         if changed:
             print(f"note: resuming {folder} with changed settings: {'; '.join(changed)}")
 
