@@ -13,6 +13,8 @@ import os
 import re
 import statistics
 
+import numpy as np
+
 from plumbing import provenance, runs
 from plumbing.files import write_atomic, write_json
 from study import figures, report
@@ -167,14 +169,50 @@ def question_se(base):
 
 
 def reading(root):
-    """frontier.json's content: every point, each pair's comparison, the predictors."""
+    """frontier.json's content: every point, each pair's comparison, the predictors, the
+    regression."""
     base, points = collect(root)
     arms, se = by_arm(points), question_se(base)
     kept = [p for p in points if not p["degenerate"]]
     return dict(points=points, question_se=se,
                 pairs=[dict(on=on, off=off, **compare(arms.get(on, {}), arms.get(off, {}), se))
                        for on, off in PAIRS],
-                predictors={k: report.drift_vs_forgetting(kept, k) for k in PREDICTORS})
+                predictors={k: report.drift_vs_forgetting(kept, k) for k in PREDICTORS},
+                regression=regression(kept))
+
+
+# where each arm's states come from, for the regression (the gold data's is its baseline)
+SOURCES = {"sft": "gold data", "opd-data": "gold data", "rs-sft": "base's right samples",
+           "rl": "own rollouts", "opd-student": "own rollouts", "kd": "teacher's rollouts"}
+
+
+def regression(points):
+    """Beside the rule: forgetting fitted by least squares on log update norm, gain and the state
+    source (an indicator a source; the gold data's the baseline) over points of runs not marked
+    degenerate, each coefficient with its standard error clustered by run (a run's snapshots
+    share its noise), CR1's small-sample factor. None with no more runs than terms."""
+    kept = [p for p in points if p["update_norm"] and p["forgetting"] is not None]
+    sources = sorted({SOURCES[p["arm"]] for p in kept} - {"gold data"})
+    X = np.array([[1.0, math.log(p["update_norm"]), p["gain"],
+                   *(float(SOURCES[p["arm"]] == s) for s in sources)] for p in kept])
+    y = np.array([p["forgetting"] for p in kept])
+    runs_of_points = [p["run"] for p in kept]
+    n, k, g = len(y), 3 + len(sources), len(set(runs_of_points))
+    if g <= k:
+        return None
+    inverse = np.linalg.pinv(X.T @ X)
+    beta = inverse @ X.T @ y
+    residual = y - X @ beta
+    meat = np.zeros((k, k))
+    for run in set(runs_of_points):
+        score = sum(X[i] * residual[i] for i, r in enumerate(runs_of_points) if r == run)
+        meat += np.outer(score, score)
+    scale = g / (g - 1) * (n - 1) / (n - k)
+    se = np.sqrt(np.clip(np.diag(inverse @ meat @ inverse) * scale, 0, None))
+    spread = ((y - y.mean()) ** 2).sum()
+    return dict(n=n, runs=g, r2=float(1 - (residual ** 2).sum() / spread) if spread else None,
+                terms=[dict(name=t, coef=float(b), se=float(e)) for t, b, e in
+                       zip(["intercept", "log update norm", "gain", *sources], beta, se)])
 
 
 def ends(points):
@@ -255,9 +293,20 @@ def predictor_lines(r):
     return lines
 
 
+def regression_lines(r):
+    fit = r.get("regression")
+    if fit is None:
+        return ["No regression: no more runs than terms."]
+    lines = [f"Beside the rule, not a verdict: forgetting fitted on log update norm, gain and the "
+             f"state source (the gold data's the baseline) over {fit['n']} points of "
+             f"{fit['runs']} runs, R^2 {report.fmt(fit['r2'], '.2f')}; standard errors "
+             f"clustered by run:", "", "| term | coefficient | standard error |", "|---|---|---|"]
+    return lines + [f"| {t['name']} | {t['coef']:+.4f} | {t['se']:.4f} |" for t in fit["terms"]]
+
+
 def markdown(r):
     parts = (["# The frontier study"], ends_lines(r["points"]), pair_lines(r), predictor_lines(r),
-             point_lines(r["points"]))
+             regression_lines(r), point_lines(r["points"]))
     return "\n\n".join("\n".join(p) for p in parts) + "\n"
 
 

@@ -162,3 +162,34 @@ def test_frontier_study_runs_end_to_end_in_miniature(tmp_path):
     wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
                             "frontier"], capture_output=True, text=True)
     assert wrong.returncode != 0 and "--study frontier is a toy study: pass --preset toy or toy-mini" in wrong.stderr
+
+
+def test_the_regression_recovers_its_coefficients_and_its_errors_cluster_by_run():
+    import numpy as np
+    points, shift = [], {}
+    for r in range(18):  # three runs of each arm, three points a run
+        arm = list(frontier.ARMS)[r % 6]
+        shift[r] = 0.02 * ((r * 7) % 5 - 2)  # a run's own noise, shared by its points
+        for t in (1, 2, 3):
+            norm, gain = 2.0 * t + r % 4, 0.05 * t + 0.01 * (r % 3)
+            own = frontier.SOURCES[arm] == "own rollouts"
+            points.append(dict(run=f"{arm}-{r}", arm=arm, update_norm=norm, gain=gain,
+                               forgetting=0.05 * math.log(norm) + 0.1 * gain - 0.03 * own))
+    exact = frontier.regression(points)
+    coef = {t["name"]: t["coef"] for t in exact["terms"]}
+    assert exact["runs"] == 18 and exact["n"] == 54 and exact["r2"] == pytest.approx(1.0)
+    assert coef["log update norm"] == pytest.approx(0.05) and coef["gain"] == pytest.approx(0.1)
+    assert coef["own rollouts"] == pytest.approx(-0.03) and abs(coef["teacher's rollouts"]) < 1e-9
+    for p in points:
+        p["forgetting"] += shift[int(p["run"].rsplit("-", 1)[1])]
+    noisy = frontier.regression(points)
+    X = np.array([[1.0, math.log(p["update_norm"]), p["gain"]] + [float(frontier.SOURCES[p["arm"]] == s) for s in
+                  ("base's right samples", "own rollouts", "teacher's rollouts")] for p in points])
+    y = np.array([p["forgetting"] for p in points])
+    residual = y - X @ np.linalg.lstsq(X, y, rcond=None)[0]
+    naive = np.sqrt(np.diag(np.linalg.inv(X.T @ X)) * (residual ** 2).sum() / (len(y) - X.shape[1]))
+    se = {t["name"]: t["se"] for t in noisy["terms"]}
+    assert se["own rollouts"] > naive[4]  # a run's points share its noise: not 54 independent draws
+    assert frontier.regression(points[:9]) is None  # 3 runs, 6 terms
+    assert "No regression: no more runs than terms." in frontier.markdown(dict(
+        points=[], question_se=0.02, pairs=[], predictors={k: None for k in frontier.PREDICTORS}, regression=None))
