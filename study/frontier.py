@@ -17,7 +17,7 @@ import numpy as np
 
 from plumbing import provenance, runs
 from plumbing.files import write_atomic, write_json
-from study import figures, report
+from study import direction, figures, report
 
 # arm -> (script, its flags): where each arm's states and signal come from
 ARMS = {"sft": ("sft", []),  # the gold answers' states
@@ -96,32 +96,38 @@ def snapshots(folder):
 
 
 PREDICTORS = tuple(k for k, _ in report.PREDICTORS)  # update_norm, mmd2, state_distance, kl
+# what the report sets beside forgetting: the main study's predictors and the update's direction
+BESIDE = (*report.PREDICTORS, ("principal_share", "share in the base's principal directions"))
 
 
-def point(row, folder, base_gsm8k, **where):
-    """A point of the study from a results row of a run's end or snapshot."""
+def point(row, folder, base_gsm8k, bases, **where):
+    """A point of the study from a results row of a run's end or snapshot; bases: the base's
+    principal directions (direction.principal_bases)."""
     return dict(**where, step=provenance.run_record(folder)["finished_steps"],
                 gain=row["gsm8k"] - base_gsm8k, forgetting=row["forgetting"],
-                **{k: row[k] for k in PREDICTORS})
+                **{k: row[k] for k in PREDICTORS},
+                principal_share=direction.principal_share(folder, bases))
 
 
-def collect(root):
-    """(the base's eval, every point): each run's end and evaluated snapshots, with its arm,
-    learning rate, seed and whether it is degenerate; rows as report.table_rows reads them."""
+def collect(root, parse=parse_name, key="lr"):
+    """(the base's eval, every point): each run's end and evaluated snapshots, with its arm, its
+    learning rate (or the key of what another study's parse names second), seed, folder (path)
+    and whether it is degenerate; rows as report.table_rows reads them."""
     found = report.collect_runs(root)
-    base_gsm8k = found["base"]["eval"]["gsm8k"]["flexible"]
-    points = []
+    base_gsm8k, bases, points = found["base"]["eval"]["gsm8k"]["flexible"], None, []
     for row in report.table_rows(found):
-        parsed = parse_name(row["run"])
+        parsed = parse(row["run"])
         if parsed is None:
             continue
         folder = found[row["run"]]["folder"]
-        where = dict(run=row["run"], arm=parsed[0], lr=parsed[1], seed=parsed[2],
-                     degenerate=degenerate(folder))
+        bases = bases or direction.principal_bases(provenance.run_record(folder)["model"])
+        where = {"run": row["run"], "arm": parsed[0], key: parsed[1], "seed": parsed[2],
+                 "degenerate": degenerate(folder)}
         shots = report.collect_runs(os.path.join(folder, "snapshots"))
         for snap in report.table_rows(shots):
-            points.append(point(snap, shots[snap["run"]]["folder"], base_gsm8k, **where))
-        points.append(point(row, folder, base_gsm8k, **where))
+            at = shots[snap["run"]]["folder"]
+            points.append(point(snap, at, base_gsm8k, bases, path=at, **where))
+        points.append(point(row, folder, base_gsm8k, bases, path=folder, **where))
     return found["base"]["eval"], points
 
 
@@ -174,10 +180,11 @@ def reading(root):
     base, points = collect(root)
     arms, se = by_arm(points), question_se(base)
     kept = [p for p in points if not p["degenerate"]]
-    return dict(points=points, question_se=se,
+    return dict(points=[{k: v for k, v in p.items() if k != "path"} for p in points],
+                question_se=se,
                 pairs=[dict(on=on, off=off, **compare(arms.get(on, {}), arms.get(off, {}), se))
                        for on, off in PAIRS],
-                predictors={k: report.drift_vs_forgetting(kept, k) for k in PREDICTORS},
+                predictors={k: report.drift_vs_forgetting(kept, k) for k, _ in BESIDE},
                 regression=regression(kept))
 
 
@@ -284,8 +291,8 @@ def predictor_lines(r):
     lines = ["What predicts forgetting over every point of a run not marked degenerate (RL's "
              "Razor: R^2 0.96 on its toy, 0.71 on LLMs, for the KL to the base):", "",
              "| predictor | points | Spearman | p | R^2 | p |", "|---|---|---|---|---|---|"]
-    for key, name in report.PREDICTORS:
-        c = r["predictors"][key]
+    for key, name in BESIDE:
+        c = r["predictors"].get(key)
         if c is not None:
             lines.append(f"| {name} | {c['n']} | {c['spearman']:.2f} | "
                          f"{report.p_value(c['spearman_p'])} | {c['pearson'] ** 2:.2f} | "

@@ -70,27 +70,6 @@ def runs_of(out, seed=0, preset="toy"):
     return conditions
 
 
-def collect(root):
-    """(the base's eval, every point): each capped run's end and evaluated snapshots, with its
-    arm, cap, seed, folder (path) and whether it is degenerate (frontier.degenerate)."""
-    found = report.collect_runs(root)
-    base_gsm8k = found["base"]["eval"]["gsm8k"]["flexible"]
-    points = []
-    for row in report.table_rows(found):
-        parsed = parse_name(row["run"])
-        if parsed is None:
-            continue
-        folder = found[row["run"]]["folder"]
-        where = dict(run=row["run"], arm=parsed[0], cap=parsed[1], seed=parsed[2],
-                     degenerate=frontier.degenerate(folder))
-        shots = report.collect_runs(os.path.join(folder, "snapshots"))
-        for snap in report.table_rows(shots):
-            at = shots[snap["run"]]["folder"]
-            points.append(frontier.point(snap, at, base_gsm8k, path=at, **where))
-        points.append(frontier.point(row, folder, base_gsm8k, path=folder, **where))
-    return found["base"]["eval"], points
-
-
 @functools.lru_cache(maxsize=None)
 def question_se(folder_a, folder_b):
     """The standard error of forgetting(a) - forgetting(b) from the retention questions alone:
@@ -152,7 +131,7 @@ def verdict(comparisons):
 
 def reading(root):
     """size.json's content: every point, the runs' ends, each pair at each cap and its verdict."""
-    base, points = collect(root)
+    _, points = frontier.collect(root, parse_name, "cap")
     kept = [p for p in points if not p["degenerate"]]
     pairs = []
     for on, off in PAIRS:
