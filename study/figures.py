@@ -12,6 +12,7 @@ import statistics
 
 import lora
 from plumbing import runs
+from plumbing.files import write_atomic
 
 
 def pyplot():
@@ -24,6 +25,14 @@ def pyplot():
     except ImportError:
         print("note: no figures without matplotlib (pip install matplotlib)")
         return None
+
+
+def save(fig, path, dpi=110):
+    """Write fig to path whole or not at all, and let it go."""
+    fig.tight_layout()
+    write_atomic(path, lambda p: fig.savefig(p, dpi=dpi, format="png"))
+    pyplot().close(fig)
+    return path
 
 
 def state_source(run_name):
@@ -63,9 +72,7 @@ def plot(out, rows):
           title="the frontier: target against retention")
     b.set(xlabel="MMD^2 of rollout states", ylabel="mean forgetting (bars: one standard error)",
           title="drift against forgetting (P4)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "results.png"), dpi=120)
-    plt.close(fig)
+    save(fig, os.path.join(out, "results.png"), dpi=120)
 
 
 CURVES = (("loss", "loss"), ("reward", "training reward"),
@@ -120,9 +127,7 @@ def curves(folders, path):
         axes[0][-1].plot(steps, norms, marker="o", label=os.path.basename(os.path.normpath(folder)))
         axes[0][-1].set(xlabel="step", title="update norm at snapshots")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
     return path
 
 

@@ -222,20 +222,22 @@ def regression(points):
                        zip(["intercept", "log update norm", "gain", *sources], beta, se)])
 
 
-def ends(points):
-    """Per (arm, lr), the runs' last points over seeds: seeds, degenerate runs, and the mean
-    and standard deviation over seeds of update norm, forgetting, gain, KL, state distance."""
+def ends(points, key="lr"):
+    """Per (arm, lr) (or another study's key), the runs' last points over seeds: those points,
+    seeds, degenerate runs, and the mean and standard deviation over seeds of update norm,
+    forgetting, gain, KL, state distance."""
     last = {}
     for p in points:
         if p["step"] >= last.get(p["run"], p)["step"]:
             last[p["run"]] = p
     groups = {}
     for p in last.values():
-        groups.setdefault((p["arm"], p["lr"]), []).append(p)
+        groups.setdefault((p["arm"], p[key]), []).append(p)
     rows = []
-    for (arm, lr), group in sorted(groups.items(), key=lambda kv: (list(ARMS).index(kv[0][0]),
+    for (arm, at), group in sorted(groups.items(), key=lambda kv: (list(ARMS).index(kv[0][0]),
                                                                    kv[0][1])):
-        row = dict(arm=arm, lr=lr, seeds=len(group), degenerate=sum(p["degenerate"] for p in group))
+        row = {"arm": arm, key: at, "seeds": len(group),
+               "degenerate": sum(p["degenerate"] for p in group)}
         for k in ("update_norm", "forgetting", "gain", "kl_to_base", "state_distance"):
             values = [p[k] for p in group if p[k] is not None]
             row[k] = (statistics.mean(values) if values else None,
@@ -353,18 +355,18 @@ def plot(root, r):
     right.set(xscale="log", xlabel="KL to the base on the target (RL's Razor)",
               ylabel="forgetting", title="every point")
     left.legend(fontsize=7)
-    path = os.path.join(root, "frontier.png")
-    fig.tight_layout()
-    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
-    return path
+    return figures.save(fig, os.path.join(root, "frontier.png"))
 
 
 def write_report(root):
     """frontier.json, frontier.md and frontier.png in root; returns the markdown."""
-    r = reading(root)
-    write_json(os.path.join(root, "frontier.json"), r)
-    text = markdown(r)
-    write_atomic(os.path.join(root, "frontier.md"), lambda p: open(p, "w").write(text))
-    plot(root, r)
+    return report_files(root, "frontier", reading(root), markdown, plot)
+
+
+def report_files(root, name, r, to_markdown, draw):
+    """<name>.json, <name>.md and <name>.png in root from a study's reading r; the markdown."""
+    write_json(os.path.join(root, f"{name}.json"), r)
+    text = to_markdown(r)
+    write_atomic(os.path.join(root, f"{name}.md"), lambda p: open(p, "w").write(text))
+    draw(root, r)
     return text

@@ -16,7 +16,6 @@ import re
 import statistics
 
 import evaluate
-from plumbing.files import write_atomic, write_json
 from study import figures, frontier, report
 
 # (on-policy arm, off-policy arm): the same loss, the states from elsewhere
@@ -146,26 +145,13 @@ def reading(root):
 
 
 def ends(points):
-    """Per (arm, cap), the runs' last points over seeds: the mean and standard deviation of
-    update norm, forgetting and gain, and how many runs bind (end within 5% of the cap)."""
-    last = {}
-    for p in points:
-        if p["step"] >= last.get(p["run"], p)["step"]:
-            last[p["run"]] = p
-    groups = {}
-    for p in last.values():
-        groups.setdefault((p["arm"], p["cap"]), []).append(p)
-    rows = []
-    for (arm, cap), group in sorted(groups.items(), key=lambda kv: (list(frontier.ARMS)
-                                                                   .index(kv[0][0]), kv[0][1])):
-        row = dict(arm=arm, cap=cap, seeds=len(group),
-                   binds=sum(p["update_norm"] >= BINDS * cap for p in group),
-                   degenerate=sum(p["degenerate"] for p in group))
-        for k in ("update_norm", "forgetting", "gain"):
-            values = [p[k] for p in group if p[k] is not None]
-            row[k] = (statistics.mean(values) if values else None,
-                      statistics.stdev(values) if len(values) > 1 else None)
-        rows.append(row)
+    """Per (arm, cap), the runs' last points over seeds (frontier.ends), with how many of them
+    bind: end within 5% of the cap."""
+    rows = frontier.ends(points, "cap")
+    last = {p["run"]: p for p in sorted(points, key=lambda p: p["step"])}
+    for row in rows:
+        row["binds"] = sum(p["update_norm"] >= BINDS * row["cap"] for p in last.values()
+                           if (p["arm"], p["cap"]) == (row["arm"], row["cap"]))
     return rows
 
 
@@ -210,18 +196,9 @@ def plot(root, r):
     ax.set(xlabel="update norm (caps dotted)", ylabel="forgetting",
            title="forgetting at a capped update size")
     ax.legend(fontsize=7)
-    path = os.path.join(root, "size.png")
-    fig.tight_layout()
-    write_atomic(path, lambda p: fig.savefig(p, dpi=110, format="png"))
-    plt.close(fig)
-    return path
+    return figures.save(fig, os.path.join(root, "size.png"))
 
 
 def write_report(root):
     """size.json, size.md and size.png in root; returns the markdown."""
-    r = reading(root)
-    write_json(os.path.join(root, "size.json"), r)
-    text = markdown(r)
-    write_atomic(os.path.join(root, "size.md"), lambda p: open(p, "w").write(text))
-    plot(root, r)
-    return text
+    return frontier.report_files(root, "size", reading(root), markdown, plot)
