@@ -24,12 +24,13 @@ DECIDING = 2  # a pair's highest caps tested that decide "supported"
 BAND = 0.03  # "refuted": every d within the noise and within this much of zero
 BINDS = 0.95  # a capped run binds where it ends within 5% of its cap
 
-# each preset's arms: a learning rate that reaches the caps, and the caps each arm runs at;
-# the OPD arms learn from the frontier's teacher (RL uncapped at the frontier's first rate)
+# each preset's arms: a learning rate that reaches the caps, and the caps each arm runs at (the
+# toy's by docs/size-study.md's rule); the OPD arms learn from the frontier's teacher (RL
+# uncapped at the frontier's first rate)
 SPECS = {
     "toy": dict(lrs={"sft": 6e-3, "rs-sft": 6e-3, "rl": 1e-3, "opd-student": 1e-2,
                      "opd-data": 1e-2},
-                caps=(2.0, 4.0, 8.0, 16.0), arm_caps={"rl": (1.0, 2.0)}),
+                caps=(1.625, 3.25, 6.5, 13.0), arm_caps={"rl": (0.8125, 1.625)}),
     "toy-mini": dict(lrs={"sft": 1e-3, "rl": 1e-3, "opd-student": 1e-3, "opd-data": 1e-3},
                      caps=(0.02, 0.05), arm_caps={}),
 }

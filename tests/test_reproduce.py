@@ -148,7 +148,7 @@ def test_conditions_picks_those_named_on_every_seed_with_the_runs_they_learn_fro
     arms = frontier.runs_of("out")  # an OPD arm learns from the rl arm at its first rate
     assert list(reproduce.chosen(arms, ["opd-student-lr0.003"], "out")) == ["rl-lr0.0003", "opd-student-lr0.003"]
     capped = size.runs_of("out")  # and in the size study from the same teacher, uncapped
-    assert list(reproduce.chosen(capped, ["opd-data-cap2"], "out")) == ["rl-lr0.0003", "opd-data-cap2"]
+    assert list(reproduce.chosen(capped, ["opd-data-cap1.625"], "out")) == ["rl-lr0.0003", "opd-data-cap1.625"]
     with pytest.raises(InputError, match=r"--conditions: no condition opd, sft-seed1 in this study; pick "
                                               r"from degraded,kd-degraded,kd-stress,mild,"):
         reproduce.chosen(both, ["sft-seed1", "mild", "opd"], "out")
