@@ -10,7 +10,7 @@ import pytest
 
 import reproduce
 from conftest import ROOT
-from study import frontier
+from study import frontier, size
 
 
 def arm(*pairs):
@@ -132,7 +132,7 @@ def test_the_summary_reads_each_runs_end_over_seeds():
     assert "- **rl against sft: not tested** (an arm has no points)" in text
 
 
-def test_frontier_study_runs_end_to_end_in_miniature(tmp_path):
+def test_frontier_and_size_studies_run_end_to_end_in_miniature(tmp_path):
     out = tmp_path / "frontier"
     cmd = [sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "toy-mini", "--study", "pressure", "--out",
            str(out)]  # the study's name before, kept
@@ -162,6 +162,29 @@ def test_frontier_study_runs_end_to_end_in_miniature(tmp_path):
     wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
                             "frontier"], capture_output=True, text=True)
     assert wrong.returncode != 0 and "--study frontier is a toy study: pass --preset toy or toy-mini" in wrong.stderr
+    # the size study in the same folder: the frontier's world, base and rl run (its OPD teacher) are done already
+    size_cmd = [*cmd[:5], "size", *cmd[6:], "--conditions", "sft-cap0.05,opd-data-cap0.05"]
+    r = subprocess.run(size_cmd, capture_output=True, text=True)
+    assert r.returncode == 0 and "[done already] train rl-lr0.001" in r.stdout, r.stderr[-3000:]
+    capped = json.loads((out / "size.json").read_text())
+    assert {p["run"] for p in capped["points"]} == {"sft-cap0.05", "opd-data-cap0.05"}  # no uncapped run is a point
+    run = json.loads((out / "opd-data-cap0.05" / "run.json").read_text())
+    assert run["max_update_norm"] == 0.05 and run["teacher"] == str(out / "rl-lr0.001")
+    for e in capped["ends"]:  # the caps bind in miniature too
+        assert e["binds"] == 1 and e["update_norm"][0] <= e["cap"], e
+    assert [(c["on"], c["off"]) for c in capped["pairs"]] == list(size.PAIRS)
+    assert (out / "size.png").stat().st_size > 1000
+    (out / "size.json").unlink()
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out), "--study", "size"],
+                           capture_output=True, text=True)
+    assert again.returncode == 0 and "# The size study" in again.stdout, again.stderr[-3000:]
+    assert json.loads((out / "size.json").read_text()) == capped
+    subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out), "--study", "frontier"], check=True,
+                   capture_output=True)
+    assert json.loads((out / "frontier.json").read_text()) == report  # nor is a capped run the frontier's
+    wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
+                            "size"], capture_output=True, text=True)
+    assert wrong.returncode != 0 and "--study size is a toy study: pass --preset toy or toy-mini" in wrong.stderr
 
 
 def test_the_regression_recovers_its_coefficients_and_its_errors_cluster_by_run():

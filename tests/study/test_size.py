@@ -1,13 +1,11 @@
-"""study/size.py, reproduce.py --study size and results.py --study size: forgetting at a matched update norm."""
+"""study/size.py: forgetting at a matched update norm. Its run end to end, in the frontier study's folder (sharing its
+world, base and teacher), is in test_frontier.py."""
 import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 
-from conftest import ROOT
 from study import frontier, size
 
 
@@ -95,27 +93,3 @@ def test_the_questions_noise_of_a_difference_is_paired_question_by_question(tmp_
     write_samples(b, [1, 0, 0, 0], [1, 0, 1, 0])  # truthfulqa answered alike: no noise from it
     mmlu = math.sqrt(((1 - 0.25) ** 2 + 3 * 0.25 ** 2) / 3 / 4)  # per-question differences 0, 1, 0, 0
     assert size.question_se(a, b) == pytest.approx(mmlu / 2)
-
-
-def test_size_study_runs_end_to_end_in_miniature(tmp_path):
-    out = tmp_path / "size"
-    cmd = [sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "toy-mini", "--study", "size", "--out",
-           str(out), "--conditions", "sft-cap0.05,opd-data-cap0.05"]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    report = json.loads((out / "size.json").read_text())
-    assert {p["run"] for p in report["points"]} == {"sft-cap0.05", "opd-data-cap0.05"}  # the teacher is no point
-    run = json.loads((out / "opd-data-cap0.05" / "run.json").read_text())
-    assert run["max_update_norm"] == 0.05 and run["teacher"] == str(out / "rl-lr0.001")
-    for e in report["ends"]:  # the caps bind in miniature too
-        assert e["binds"] == 1 and e["update_norm"][0] <= e["cap"], e
-    assert [(c["on"], c["off"]) for c in report["pairs"]] == list(size.PAIRS)
-    assert "# The size study" in (out / "size.md").read_text() and (out / "size.png").stat().st_size > 1000
-    (out / "size.json").unlink()
-    again = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out), "--study", "size"],
-                           capture_output=True, text=True)
-    assert again.returncode == 0 and "# The size study" in again.stdout, again.stderr[-3000:]
-    assert json.loads((out / "size.json").read_text()) == report
-    wrong = subprocess.run([sys.executable, os.path.join(ROOT, "reproduce.py"), "--preset", "smoke", "--study",
-                            "size"], capture_output=True, text=True)
-    assert wrong.returncode != 0 and "--study size is a toy study: pass --preset toy or toy-mini" in wrong.stderr
