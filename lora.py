@@ -284,16 +284,23 @@ def load_adapter(model, folder, name="default", activate=True, trainable=False, 
 def update_norm(folder):
     """||delta W||_F over every layer the adapter in folder adapts: how far training moved the
     weights, the weight-space counterpart of drift.py's state-space MMD."""
+    return delta_norm([(s, A, B) for _, s, A, B in adapter_updates(folder)])
+
+
+def adapter_updates(folder):
+    """(module name, scaling s, A, B) of each layer the adapter in folder adapts: its update is
+    s B A."""
     cfg, state = read_adapter(folder)
-    triples = []
+    updates = []
     for key, A in state.items():
         if key.endswith(".lora_A.weight"):
             B = state.get(key.replace(".lora_A.", ".lora_B."))
             if B is None:
                 raise InputError(f"{folder}: {key} has no lora_B beside it; the adapter file is "
                                  f"incomplete")
-            triples.append((cfg["lora_alpha"] / cfg["r"], A, B))
-    return delta_norm(triples)
+            module = key[len(PEFT_PREFIX):-len(".lora_A.weight")]
+            updates.append((module, cfg["lora_alpha"] / cfg["r"], A, B))
+    return updates
 
 
 def delta_norm(triples):
@@ -314,13 +321,14 @@ def cap_update_norm(model, bound, name="default"):
     the adapter untouched)."""
     if not bound:
         return None
-    layers = [m for m in lora_layers(model).values() if name in m.lora_A]
-    norm = delta_norm([(m.scaling[name], m.lora_A[name], m.lora_B[name]) for m in layers])
+    triples = [(m.scaling[name], m.lora_A[name], m.lora_B[name])
+               for m in lora_layers(model).values() if name in m.lora_A]
+    norm = delta_norm(triples)
     if norm <= bound:
         return norm
     factor = math.sqrt(bound * (1 - 1e-6) / norm)
     with torch.no_grad():
-        for m in layers:
-            m.lora_A[name].mul_(factor)
-            m.lora_B[name].mul_(factor)
-    return delta_norm([(m.scaling[name], m.lora_A[name], m.lora_B[name]) for m in layers])
+        for _, A, B in triples:  # the parameters themselves: scaled in place
+            A.mul_(factor)
+            B.mul_(factor)
+    return delta_norm(triples)

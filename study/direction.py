@@ -35,15 +35,12 @@ def principal_share(folder, bases):
     """The share of the update's squared norm, over every layer the adapter in folder adapts,
     that touches the base's principal subspaces: 1 - ||(I - U U^T) dW (I - V V^T)||^2 / ||dW||^2
     summed over layers (0: every change off the principal directions; None: no change)."""
-    cfg, state = lora.read_adapter(folder)
-    scale, total, off = cfg["lora_alpha"] / cfg["r"], 0.0, 0.0
-    for key, A in state.items():
-        if key.endswith(".lora_A.weight"):
-            B = state[key.replace(".lora_A.", ".lora_B.")]
-            change = scale * (B.double() @ A.double())
-            u, v = bases[key[len(lora.PEFT_PREFIX):-len(".lora_A.weight")]]
-            rest = change - u @ (u.T @ change)
-            rest = rest - (rest @ v) @ v.T
-            total += change.pow(2).sum().item()
-            off += rest.pow(2).sum().item()
+    total = off = 0.0
+    for module, scale, A, B in lora.adapter_updates(folder):
+        change = scale * (B.double() @ A.double())
+        u, v = bases[module]
+        rest = change - u @ (u.T @ change)
+        rest = rest - (rest @ v) @ v.T
+        total += change.pow(2).sum().item()
+        off += rest.pow(2).sum().item()
     return 1 - off / total if total else None
