@@ -351,6 +351,8 @@ def study(args, preset, out):
     if args.preset == "toy":
         organism.check_calibration(read_json(os.path.join(out, "eval.json")))
     run_conditions(stages, args.jobs, conditions, args.preset, out, model, common)
+    if args.study == "size":  # beside its rule: WiSE-FT's interpolations, evaluations only
+        stages.run([interpolation_stage(out, conditions, args.preset, model, common)])
     drift_settings = {**vars(cli.parsed(drift.add_drift_args, preset["drift"])), "model": model}
 
     def unmeasured():  # every run, and each snapshot of one: a point of its own
@@ -406,6 +408,18 @@ def condition_stages(preset_name, out, name, script, extra, model, common):
                        lambda: evaluate_them(*unevaluated_snapshots())))
     return stages + [(f"evaluate {name}", evaluated([folder], model, preset["eval"]),
                       lambda: evaluate_them(folder))]
+
+
+def interpolation_stage(out, conditions, preset_name, model, common):
+    """The size study's stage beside its rule: each arm's run at its highest cap scaled down
+    (study/size.py's interpolations, written after the runs), each evaluated where not yet."""
+    flags, scaled = PRESETS[preset_name]["eval"], size.interpolations(out, conditions,
+                                                                      preset_name)
+
+    def unevaluated():
+        return [f for f in scaled if not evaluated([f], model, flags)()]
+    return ("evaluate interpolations", lambda: not unevaluated(),
+            lambda: evaluate.main([*unevaluated(), "--out", out, *common, *flags]))
 
 
 def evaluated(folders, model, flags):

@@ -16,6 +16,9 @@ import re
 import statistics
 
 import evaluate
+import lora
+from plumbing import provenance
+from plumbing.files import write_atomic, write_json
 from study import figures, frontier, report
 
 # (on-policy arm, off-policy arm): the same loss, the states from elsewhere
@@ -23,6 +26,7 @@ PAIRS = (("rs-sft", "sft"), ("rl", "sft"), ("opd-student", "opd-data"))
 DECIDING = 2  # a pair's highest caps tested that decide "supported"
 BAND = 0.03  # "refuted": every d within the noise and within this much of zero
 BINDS = 0.95  # a capped run binds where it ends within 5% of its cap
+SCALES = (0.25, 0.5, 0.75)  # WiSE-FT's interpolations of a run (scale 1: the run itself)
 
 # each preset's arms: a learning rate that reaches the caps, and the caps each arm runs at (the
 # toy's by docs/size-study.md's rule); the OPD arms learn from the frontier's teacher (RL
@@ -68,6 +72,36 @@ def runs_of(out, seed=0, preset="toy"):
                 script, [*arm_flags, "--max-update-norm", str(cap), "--lr", str(lr),
                          "--seed", str(seed)])
     return conditions
+
+
+def interpolate(folder, scale):
+    """WiSE-FT's interpolation (arXiv 2109.01903) of the run in folder: its adapter with every B
+    scaled, so that each layer's update and the update norm are scaled by `scale`, written in
+    <folder>/interpolated/scale-<scale>, a finished run folder of its own that evaluate.py takes
+    (its run.json the run's, with the scale). The folder."""
+    from safetensors.torch import save_file
+    out = os.path.join(folder, "interpolated", f"scale-{scale:g}")
+    cfg, state = lora.read_adapter(folder)
+    scaled = {k: v * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
+    os.makedirs(out, exist_ok=True)
+    write_atomic(os.path.join(out, "adapter_model.safetensors"), lambda p: save_file(scaled, p))
+    write_json(os.path.join(out, "adapter_config.json"), cfg)
+    write_json(os.path.join(out, "run.json"), {**provenance.run_record(folder), "scale": scale})
+    return out
+
+
+def interpolations(out, conditions, preset="toy"):
+    """The interpolations' folders of each arm's runs at its highest cap among conditions (run
+    names), each written where not there yet: the curves beside the rule."""
+    folders = []
+    for name in conditions:
+        parsed = parse_name(name)
+        if parsed and parsed[1] == max(caps_of(parsed[0], preset)):
+            for scale in SCALES:
+                there = os.path.join(out, name, "interpolated", f"scale-{scale:g}")
+                done = os.path.isfile(os.path.join(there, "run.json"))  # written last
+                folders.append(there if done else interpolate(os.path.join(out, name), scale))
+    return folders
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +165,7 @@ def verdict(comparisons):
 
 def reading(root):
     """size.json's content: every point, the runs' ends, each pair at each cap and its verdict."""
-    _, points = frontier.collect(root, parse_name, "cap")
+    base, points = frontier.collect(root, parse_name, "cap")
     kept = [p for p in points if not p["degenerate"]]
     pairs = []
     for on, off in PAIRS:
@@ -142,7 +176,44 @@ def reading(root):
               for cap in caps]
         pairs.append(dict(on=on, off=off, caps=at, verdict=verdict(at)))
     return dict(points=[{k: v for k, v in p.items() if k != "path"} for p in points],
-                ends=ends(points), pairs=pairs)
+                ends=ends(points), pairs=pairs,
+                curves=curve_rows(curves(points, base["gsm8k"]["flexible"])))
+
+
+def curves(points, base_gsm8k):
+    """Each interpolated run's curve, from scale 1/4 to its end (scale 1): arm, cap, seed and at
+    each scale its update norm, gain and forgetting."""
+    out = []
+    for p in points:
+        root = os.path.join(p["path"], "interpolated")  # a snapshot's path has none
+        if not os.path.isdir(root):
+            continue
+        found = report.collect_runs(root)
+        curve = [dict(scale=provenance.run_record(found[r["run"]]["folder"])["scale"],
+                      update_norm=r["update_norm"], gain=r["gsm8k"] - base_gsm8k,
+                      forgetting=r["forgetting"]) for r in report.table_rows(found)]
+        curve.append(dict(scale=1.0, **{k: p[k] for k in ("update_norm", "gain", "forgetting")}))
+        out.append(dict(run=p["run"], arm=p["arm"], cap=p["cap"], seed=p["seed"],
+                        points=sorted(curve, key=lambda c: c["scale"])))
+    return out
+
+
+def curve_rows(curves):
+    """Per (arm, scale), mean and standard deviation over seeds of norm, gain and forgetting."""
+    groups = {}
+    for c in curves:
+        for x in c["points"]:
+            groups.setdefault((c["arm"], c["cap"], x["scale"]), []).append(x)
+    rows = []
+    for (arm, cap, scale), xs in sorted(groups.items(), key=lambda kv: (
+            list(frontier.ARMS).index(kv[0][0]), kv[0][2])):
+        row = dict(arm=arm, cap=cap, scale=scale, seeds=len(xs))
+        for k in ("update_norm", "gain", "forgetting"):
+            values = [x[k] for x in xs]
+            row[k] = (statistics.mean(values),
+                      statistics.stdev(values) if len(values) > 1 else None)
+        rows.append(row)
+    return rows
 
 
 def ends(points):
@@ -178,25 +249,49 @@ def markdown(r):
             grid = ", ".join(f"{x['d']:+.3f} ({x['se']:.3f})" for x in at["grid"])
             lines.append(f"  - cap {at['cap']:g}, gains {at['top'] / frontier.GRID:.3f} to "
                          f"{at['top']:.3f}, {at['seeds']} seed(s); d (standard error): {grid}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + curve_lines(r["curves"])) + "\n"
+
+
+def curve_lines(rows):
+    if not rows:
+        return []
+    lines = ["", "Beside the rule, not a verdict: WiSE-FT's interpolation of each arm's run at its "
+             "highest cap (its update scaled; evaluations only), mean±standard deviation over "
+             "seeds:", "", "| arm | cap | scale | seeds | update norm | GSM8K gain | forgetting |",
+             "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        cells = [report.fmt(row[k][0], spec, row[k][1]) for k, spec in
+                 (("update_norm", ".2f"), ("gain", ".3f"), ("forgetting", ".3f"))]
+        lines.append(f"| {row['arm']} | {row['cap']:g} | {row['scale']:g} | {row['seeds']} | "
+                     f"{' | '.join(cells)} |")
+    return lines
 
 
 def plot(root, r):
-    """size.png: forgetting against update norm, every point, a colour an arm, the caps dotted."""
+    """size.png: forgetting and gain against update norm, every point, a colour an arm, the
+    caps dotted; each arm's interpolation curve (mean over seeds) as a line."""
     plt = figures.pyplot()
     if plt is None:
         return None
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for arm in frontier.ARMS:
         pts = [p for p in r["points"] if p["arm"] == arm and p["forgetting"] is not None]
-        if pts:
-            ax.plot([p["update_norm"] for p in pts], [p["forgetting"] for p in pts], "o", ms=3,
-                    label=arm)
-    for cap in sorted({p["cap"] for p in r["points"]}):
-        ax.axvline(cap, color="grey", ls=":", lw=0.8)
-    ax.set(xlabel="update norm (caps dotted)", ylabel="forgetting",
-           title="forgetting at a capped update size")
-    ax.legend(fontsize=7)
+        curve = [c for c in r["curves"] if c["arm"] == arm]
+        if not pts:
+            continue
+        for ax, key in zip(axes, ("forgetting", "gain")):
+            dots, = ax.plot([p["update_norm"] for p in pts], [p[key] for p in pts], "o", ms=3,
+                            alpha=0.5, label=arm)
+            ax.plot([c["update_norm"][0] for c in curve], [c[key][0] for c in curve], "-",
+                    color=dots.get_color())
+    for ax in axes:
+        for cap in sorted({p["cap"] for p in r["points"]}):
+            ax.axvline(cap, color="grey", ls=":", lw=0.8)
+    axes[0].set(xlabel="update norm (caps dotted)", ylabel="forgetting",
+                title="forgetting at a capped update size")
+    axes[1].set(xlabel="update norm (caps dotted)", ylabel="GSM8K gain over the base",
+                title="lines: each arm's top run interpolated")
+    axes[0].legend(fontsize=7)
     return figures.save(fig, os.path.join(root, "size.png"))
 
 

@@ -173,6 +173,13 @@ def test_frontier_and_size_studies_run_end_to_end_in_miniature(tmp_path):
     for e in capped["ends"]:  # the caps bind in miniature too
         assert e["binds"] == 1 and e["update_norm"][0] <= e["cap"], e
     assert [(c["on"], c["off"]) for c in capped["pairs"]] == list(size.PAIRS)
+    # beside the rule, each top-cap run interpolated and evaluated: norms in proportion to the scale
+    assert {(c["arm"], c["scale"]) for c in capped["curves"]} == {
+        (a, s) for a in ("sft", "opd-data") for s in (*size.SCALES, 1.0)}
+    for c in capped["curves"]:
+        end = next(e for e in capped["ends"] if e["arm"] == c["arm"])
+        assert c["update_norm"][0] == pytest.approx(c["scale"] * end["update_norm"][0], rel=1e-5)
+        assert c["forgetting"][0] is not None and c["gain"][0] is not None
     assert (out / "size.png").stat().st_size > 1000
     (out / "size.json").unlink()
     again = subprocess.run([sys.executable, os.path.join(ROOT, "results.py"), str(out), "--study", "size"],

@@ -5,7 +5,11 @@ import math
 import os
 
 import pytest
+import torch
 
+import lora
+import model as M
+from conftest import randomize_adapter
 from study import frontier, size
 
 
@@ -93,3 +97,37 @@ def test_the_questions_noise_of_a_difference_is_paired_question_by_question(tmp_
     write_samples(b, [1, 0, 0, 0], [1, 0, 1, 0])  # truthfulqa answered alike: no noise from it
     mmlu = math.sqrt(((1 - 0.25) ** 2 + 3 * 0.25 ** 2) / 3 / 4)  # per-question differences 0, 1, 0, 0
     assert size.question_se(a, b) == pytest.approx(mmlu / 2)
+
+
+def test_an_interpolation_scales_every_layers_update_and_the_norm_by_its_factor(tiny_model, tmp_path):
+    net, _ = M.load(tiny_model)
+    lora.add_lora(net, rank=4, alpha=12)
+    randomize_adapter(net, seed=3)
+    run = tmp_path / "sft-cap13"
+    lora.save_adapter(net, str(run))
+    (run / "run.json").write_text(json.dumps(dict(model=tiny_model, finished_steps=7)))
+    before = {n: layer.delta_weight("default").detach().clone() for n, layer in lora.lora_layers(net).items()}
+    folder = size.interpolate(str(run), 0.25)
+    assert folder == str(run / "interpolated" / "scale-0.25")
+    assert json.loads((run / "interpolated" / "scale-0.25" / "run.json").read_text()) == dict(
+        model=tiny_model, finished_steps=7, scale=0.25)
+    assert lora.update_norm(folder) == pytest.approx(0.25 * lora.update_norm(str(run)), rel=1e-6)
+    scaled, _ = M.load(tiny_model)
+    lora.load_adapter(scaled, folder)
+    for n, layer in lora.lora_layers(scaled).items():  # each layer's change, not only the norm
+        assert torch.allclose(layer.delta_weight("default"), before[n] / 4, atol=1e-7), n
+    # only the arms' runs at their highest cap are interpolated, each scale once
+    (run / "interpolated" / "scale-0.5").mkdir()  # a half-written one (no run.json): written again
+    folders = size.interpolations(str(tmp_path), ["sft-cap13", "sft-cap6.5", "rl-lr0.0003"], "toy")
+    assert folders == [str(run / "interpolated" / f"scale-{s:g}") for s in size.SCALES]
+    assert all((run / "interpolated" / f"scale-{s:g}" / "adapter_model.safetensors").is_file() for s in size.SCALES)
+
+
+def test_the_curves_run_from_the_smallest_scale_to_the_runs_end_and_average_over_seeds():
+    curve = lambda seed, f: dict(arm="sft", cap=13.0, seed=seed, run=f"sft-cap13-seed{seed}", points=[
+        dict(scale=s, update_norm=13 * s, gain=0.4 * s, forgetting=f * s) for s in (0.25, 0.5, 1.0)])
+    rows = size.curve_rows([curve(0, 0.2), curve(1, 0.4), dict(curve(0, 0.1), arm="rl", cap=1.625)])
+    assert [(r["arm"], r["scale"], r["seeds"]) for r in rows] == [
+        ("sft", 0.25, 2), ("sft", 0.5, 2), ("sft", 1.0, 2), ("rl", 0.25, 1), ("rl", 0.5, 1), ("rl", 1.0, 1)]
+    assert rows[2]["forgetting"] == pytest.approx((0.3, math.sqrt(0.02)))
+    assert rows[3]["forgetting"] == (0.025, None)
