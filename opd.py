@@ -185,12 +185,13 @@ def main(argv=None):
                  for s in set(sources)}  # each source every prompt: its own stream, mixed or not
         states = [drawn[s][i] for i, s in enumerate(sources)]  # each prompt's from its source
         sequences, starts = [r.sequence for r in states], [r.start for r in states]
-        measures = where_states_lie(model, teacher, states, tok.pad_id, passes, state_kl)
 
         # the signal: the teacher's continuations at the cut points, or its distributions
         if args.signal == "continuation":
             sequences, starts = teacher_continuations(teacher, tok, states, args.cuts,
                                                       args.continuation_tokens, rng_key)
+        measures = where_states_lie(model, teacher, states, (sequences, starts), tok.pad_id,
+                                    passes, state_kl)
         model.train()
         loss, _, n_tokens = train.backward(loss_of, sequences, starts, passes)
         run.check_finite(step + 1, loss)
@@ -209,14 +210,15 @@ def main(argv=None):
     print(f"done: adapter in {args.out}")
 
 
-def where_states_lie(model, teacher, states, pad_id, passes, kl=None):
-    """run.log's means of where the step's states lie: the learner's and the base's NLL of the
-    trajectories and, given kl (--log-state-kl), the teacher-student KL there."""
+def where_states_lie(model, teacher, states, trained, pad_id, passes, kl=None):
+    """run.log's means of where the step's states lie: the learner's NLL of the trajectories,
+    the base's of the tokens the loss is computed on (trained: (sequences, starts); for
+    --signal continuation the teacher's continuations), the state distance of every method,
+    and, given kl (--log-state-kl), the teacher-student KL on the trajectories."""
     sequences, starts = [r.sequence for r in states], [r.start for r in states]
     out = dict(state_nll=train.learner_nll(model, sequences, starts,
                                            [r.logprobs for r in states], pad_id))
-    out["state_nll_base"] = train.base_nll(train.base_logprobs(model, sequences, starts, pad_id,
-                                                               passes))
+    out["state_nll_base"] = train.base_nll(train.base_logprobs(model, *trained, pad_id, passes))
     if kl is not None:
         student_h = train.frozen_states(model, "default", sequences, starts, pad_id)[0]
         teacher_h = train.frozen_states(*teacher, sequences, starts, pad_id)[0]

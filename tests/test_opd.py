@@ -306,6 +306,10 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
     check_trained_on([r.prompt_ids + r.completion_ids for r in rollouts])
     sampled_nll = -sum(lp for r in rollouts for lp in r.logprobs) / sum(len(r.logprobs) for r in rollouts)
     assert abs(log["state_nll"] - sampled_nll) < 1e-4
+    # the state distance's NLL is the base's of the tokens the loss is computed on (the teacher's
+    # continuations), as in sft.py and rl.py: at the first step, the adapter still zero, the loss itself
+    assert log["state_nll_base"] == pytest.approx(log["loss"], abs=1e-5)
+    assert abs(log["state_nll_base"] - log["state_nll"]) > 1e-3  # not the trajectories' own
 
     # the teacher's rollouts: the states are sampled with the teacher adapter too
     log = run("teacher")
@@ -313,6 +317,7 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
     rollouts = calls[0][2]
     check_trained_on([r.prompt_ids + r.completion_ids for r in rollouts])
     assert log["completion_len"] == sum(len(r.completion_ids) for r in rollouts) / 2
+    assert log["state_nll_base"] == pytest.approx(log["loss"], abs=1e-5)
 
     # the dataset's gold solutions: nothing is sampled but the teacher's continuations, and the
     # states are prefixes of the batch's gold trajectories (cut at --max-new-tokens)
@@ -325,9 +330,13 @@ def test_opd_state_source_changes_only_where_the_states_come_from(tiny_model, da
     assert log["completion_len"] == 6  # the reward is that of the cut solutions, not of the whole ones
     cut_texts = [tok.decode(data.gsm8k_gold_ids(tok, r)[1][:6]) for r in batch]
     assert log["reward"] == sum(data.is_correct(t, r["gold"]) for t, r in zip(cut_texts, batch)) / 2 < 1
+    assert log["state_nll_base"] == pytest.approx(log["loss"], abs=1e-5)
     # with the teacher's logits as the signal nothing at all is sampled
     log = run("data", "--signal", "logits")
     assert calls == [] and log["loss"] > 0 and log["completion_len"] == 6
+    # a per-state signal trains at every state of the trajectories: their NLL, the base's at step 1
+    log = run("student", "--signal", "logits")
+    assert log["state_nll_base"] == pytest.approx(log["state_nll"], abs=1e-4)
 
 
 def test_bad_teacher_is_a_one_line_error(tiny_models, data_dir, tmp_path, monkeypatch):
