@@ -25,10 +25,10 @@ with the base states:
                       vocabulary at the states of the base's own rollouts, summed over each
                       rollout, averaged over prompts (kl_to_base)
 
-With them, where the training states lie for the base (offpolicy_gap, on the first --prompts
-train questions): state_nll_gold, its per-token NLL of the gold answers SFT trains on, and
-state_nll_reference, of its own temperature-1 samples, against which results.py reads each
-run's logged state_nll_base.
+With them, state_nll_reference: the base's per-token NLL of its own temperature-1 samples on
+the first --prompts train questions (offpolicy_gap), against which results.py reads each run's
+logged state_nll_base, the base's NLL of the tokens its loss is computed on: the run's state
+distance.
 
 Features: --features lexical (hashed word unigrams and bigrams, L2-normalised, as in the
 paper) or --features hidden (the base model's mean-pooled last hidden state of each
@@ -349,9 +349,9 @@ def base_rollouts(model, tok, prompts, train_rows, out, rollout):
     if base is None or base["settings"] != settings or "prompts" not in base:
         lora.set_adapter(model, None)
         model.eval()
-        gold, own = offpolicy_gap(model, tok, train_rows, rollout["max_new_tokens"],
-                                  rollout["seed"])
-        base = dict(settings=settings, state_nll_gold=gold, state_nll_reference=own,
+        _, own = offpolicy_gap(model, tok, train_rows, rollout["max_new_tokens"],
+                               rollout["seed"])  # gold: what SFT logs as state_nll_base
+        base = dict(settings=settings, state_nll_reference=own,
                     **collect(model, tok, prompts, rollout))
         if not processes.RANK:  # under torchrun, one process writes
             os.makedirs(out, exist_ok=True)
@@ -426,8 +426,7 @@ def main(argv=None):
                       sliced_wasserstein=sliced_wasserstein(X, Y, args.projections, args.seed),
                       jaccard=jaccard_distance(base["texts"], ours["texts"]),
                       kl_to_base=kl_to_base(model, f"run{i}", rollouts, base_states=base_states),
-                      state_nll_reference=base["state_nll_reference"],
-                      state_nll_gold=base["state_nll_gold"], n_states_base=len(X),
+                      state_nll_reference=base["state_nll_reference"], n_states_base=len(X),
                       n_states_run=len(Y), settings=base["settings"],
                       fingerprint=provenance.fingerprint("drift", vars(args), sha))
         if not processes.RANK:

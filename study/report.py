@@ -277,32 +277,24 @@ def results_markdown(found):
         lines.append(f"| {row['run']} | " + " | ".join(cells) + " |")
     over = "post-trained conditions" if with_paper else "rows"
     mmd2 = drift_forgetting_correlations(single_rows)
-    lines += gap_lines(found) + correlation_lines(single_rows, mmd2, over, with_paper, seeds)
-    both, questions = gold_and_own(found), found.get("base", {}).get("eval", {}).get("gsm8k", {})
+    lines += reference_lines(found) + correlation_lines(single_rows, mmd2, over, with_paper, seeds)
+    questions = found.get("base", {}).get("eval", {}).get("gsm8k", {})
     if questions.get("n"):  # the rules' readings, where the paper's conditions have seeds
-        lines += readings.readings_lines(rows, {"mmd2": mmd2},
-                                         None if both is None else both[0] - both[1],
-                                         questions["n"])
+        lines += readings.readings_lines(rows, {"mmd2": mmd2}, questions["n"])
     return "\n".join(lines) + "\n"
 
 
-def gold_and_own(found):
-    """The base's per-token NLL of SFT's gold answers and of its own samples
-    (drift.offpolicy_gap), from a drift.json; None without one."""
+def reference_lines(found):
+    """What the state distance column measures, with the reference it is read against."""
     d = next((run["drift"] for run in found.values()
-              if "state_nll_gold" in run.get("drift", {})), None)
-    return None if d is None else (d["state_nll_gold"], d["state_nll_reference"])
-
-
-def gap_lines(found):
-    """How far off-policy SFT's data is for the base."""
-    both = gold_and_own(found)
-    if both is None:
+              if "state_nll_reference" in run.get("drift", {})), None)
+    if d is None:
         return []
-    gold, own = both
-    return ["", f"Where the states lie for the base: its per-token NLL of SFT's gold answers "
-                f"{gold:.3f}, of its own temperature-1 samples on the same prompts {own:.3f}; "
-                f"the gold data lies {gold - own:.3f} nats per token off the base's own states."]
+    return ["", f"Where the states lie for the base (state distance): its per-token NLL of the "
+                f"tokens a run's loss is computed on (SFT's gold answers or samples, RL's and "
+                f"OPD's rollouts, OPD's teacher continuations), the mean over training, less "
+                f"that of its own temperature-1 samples, {d['state_nll_reference']:.3f}; SFT's "
+                f"is how far off-policy its data is for the base (C1)."]
 
 
 def cells(c):
