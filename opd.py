@@ -211,10 +211,8 @@ def main(argv=None):
 
 
 def where_states_lie(model, teacher, states, trained, pad_id, passes, kl=None):
-    """run.log's means of where the step's states lie: the learner's NLL of the trajectories,
-    the base's of the tokens the loss is computed on (trained: (sequences, starts); for
-    --signal continuation the teacher's continuations), the state distance of every method,
-    and, given kl (--log-state-kl), the teacher-student KL on the trajectories."""
+    """run.log's means of where the states lie: the learner's NLL of the trajectories, the base's
+    of the tokens the loss is computed on (trained), and given kl the teacher-student KL."""
     sequences, starts = [r.sequence for r in states], [r.start for r in states]
     out = dict(state_nll=train.learner_nll(model, sequences, starts,
                                            [r.logprobs for r in states], pad_id))
