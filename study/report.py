@@ -244,11 +244,11 @@ def column_notes(fewshot, K, with_paper):
         "standard error of a run's forgetting from the finite number of questions, over each "
         "question's difference from the base's answer to it (ours alone). state distance: where "
         "the states each run trained on lie, the base's per-token NLL of the tokens its loss is "
-        "computed on (state_nll_base, the mean over steps) less that of its own temperature-1 samples (0: "
-        "the base's own states). KL to base: KL(base || run) at the states of the base's own "
-        "rollouts on target prompts, summed over each rollout (RL's Razor's predictor). update "
-        "norm: how far training moved the weights, the Frobenius norm of the adapter's update "
-        "over all the layers it adapts (lora.update_norm).")
+        "computed on (state_nll_base, the mean over steps) less that of its own temperature-1 "
+        "samples (0: the base's own states). KL to base: KL(base || run) at the states of the "
+        "base's own rollouts on target prompts, summed over each rollout (RL's Razor's "
+        "predictor). update norm: how far training moved the weights, the Frobenius norm of the "
+        "adapter's update over all the layers it adapts (lora.update_norm).")
 
 
 def results_markdown(found):
