@@ -26,7 +26,7 @@ with the base states:
                       rollout, averaged over prompts (kl_to_base)
 
 With them, state_nll_reference: the base's per-token NLL of its own temperature-1 samples on
-the first --prompts train questions (offpolicy_gap), against which results.py reads each run's
+the first --prompts train questions (own_samples_nll), against which results.py reads each run's
 logged state_nll_base, the base's NLL of the tokens its loss is computed on: the run's state
 distance.
 
@@ -253,22 +253,33 @@ def featurize(model, tok, rollout_set, kind, embed="state"):
 # where states lie, and how far the policy moved there: under the base model's eyes
 
 @torch.no_grad()
-def offpolicy_gap(model, tok, rows, max_new_tokens, seed=0):
-    """The base's (adapter off) mean per-token NLL of the gold answers of rows (SFT's states)
-    and of its own temperature-1 samples on the same prompts (an on-policy method's first
-    states), (gold, own): their difference is how far off-policy SFT's data is for the base,
-    and `own` the reference that a run's state_nll_base is read against."""
-    def nll(pairs):  # the base's mean per-token NLL of each (prompt, continuation)'s continuation
-        sequences, starts = [p + c for p, c in pairs], [len(p) for p, _ in pairs]
-        total, n = train.base_nll(train.base_logprobs(model, sequences, starts, tok.pad_id,
-                                                      train.Passes(max_tokens=4096)))
-        return total / max(1, n)
-    gold = [data.gsm8k_gold_ids(tok, r) for r in rows]
+def continuation_nll(model, tok, pairs):
+    """The base's (adapter off) mean per-token NLL of each (prompt, continuation)'s continuation."""
+    sequences, starts = [p + c for p, c in pairs], [len(p) for p, _ in pairs]
+    total, n = train.base_nll(train.base_logprobs(model, sequences, starts, tok.pad_id,
+                                                  train.Passes(max_tokens=4096)))
+    return total / max(1, n)
+
+
+@torch.no_grad()
+def own_samples_nll(model, tok, rows, max_new_tokens, seed=0):
+    """The base's mean per-token NLL of its own temperature-1 samples on rows' prompts (an
+    on-policy method's first states): the reference a run's state_nll_base is read against."""
     with lora.use_adapter(model, None):
-        own = generate(model, tok, [p for p, _ in gold],
+        own = generate(model, tok, [data.gsm8k_gold_ids(tok, r)[0] for r in rows],
                        Sampling(max_new_tokens=max_new_tokens, temperature=1.0,
                                 stop=data.GSM8K_STOP, seed=seed))
-        return nll(gold), nll([(r.prompt_ids, r.completion_ids) for r in own if r.completion_ids])
+    return continuation_nll(model, tok, [(r.prompt_ids, r.completion_ids) for r in own
+                                         if r.completion_ids])
+
+
+@torch.no_grad()
+def offpolicy_gap(model, tok, rows, max_new_tokens, seed=0):
+    """(gold, own): the base's mean per-token NLL of the gold answers of rows (SFT's states) and
+    of its own samples on the same prompts (own_samples_nll); their difference is how far
+    off-policy SFT's data is for the base."""
+    gold = continuation_nll(model, tok, [data.gsm8k_gold_ids(tok, r) for r in rows])
+    return gold, own_samples_nll(model, tok, rows, max_new_tokens, seed)
 
 
 def report_offpolicy_gap(model_path, data_dir, prompts=200, max_new_tokens=96):
@@ -336,7 +347,7 @@ def add_drift_args(p):
 
 def base_rollouts(model, tok, prompts, train_rows, out, rollout):
     """The base model's rollouts of the prompts (collect with the flags in rollout) and its
-    offpolicy_gap on the train rows, cached in out/drift_base.json for the runs measured
+    own_samples_nll on the train rows, cached in out/drift_base.json for the runs measured
     later: a cache serves only rollouts of the same prompts (another --data-dir has others)
     taken with the same numbers, since another dtype or device rounds differently and the
     paired estimator would count that as drift."""
@@ -349,8 +360,7 @@ def base_rollouts(model, tok, prompts, train_rows, out, rollout):
     if base is None or base["settings"] != settings or "prompts" not in base:
         lora.set_adapter(model, None)
         model.eval()
-        _, own = offpolicy_gap(model, tok, train_rows, rollout["max_new_tokens"],
-                               rollout["seed"])  # gold: what SFT logs as state_nll_base
+        own = own_samples_nll(model, tok, train_rows, rollout["max_new_tokens"], rollout["seed"])
         base = dict(settings=settings, state_nll_reference=own,
                     **collect(model, tok, prompts, rollout))
         if not processes.RANK:  # under torchrun, one process writes
