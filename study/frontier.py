@@ -239,9 +239,7 @@ def ends(points, key="lr"):
         row = {"arm": arm, key: at, "seeds": len(group),
                "degenerate": sum(p["degenerate"] for p in group)}
         for k in ("update_norm", "forgetting", "gain", "kl_to_base", "state_distance"):
-            values = [p[k] for p in group if p[k] is not None]
-            row[k] = (statistics.mean(values) if values else None,
-                      statistics.stdev(values) if len(values) > 1 else None)
+            row[k] = report.mean_sd([p[k] for p in group])
         rows.append(row)
     return rows
 

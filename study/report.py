@@ -138,12 +138,18 @@ def group_seeds(rows):
     for name, members in groups.items():
         row = dict(run=name, seeds=len(members))
         for k in METRICS:
-            values = [r[k] for r in members if r[k] is not None]
-            row[k] = statistics.mean(values) if values else None
-            row[k + "_std"] = statistics.stdev(values) if len(values) > 1 else None
-            row[k + "_n"] = len(values)
+            row[k], row[k + "_std"] = mean_sd([r[k] for r in members])
+            row[k + "_n"] = sum(r[k] is not None for r in members)
         out.append(row)
     return out
+
+
+def mean_sd(values):
+    """(mean, standard deviation) of the values that are not None: None where there are none,
+    the deviation None with fewer than two."""
+    values = [v for v in values if v is not None]
+    return (statistics.mean(values) if values else None,
+            statistics.stdev(values) if len(values) > 1 else None)
 
 
 def ranks(values):
