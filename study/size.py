@@ -74,13 +74,18 @@ def runs_of(out, seed=0, preset="toy"):
     return conditions
 
 
+def interpolated(folder, scale):
+    """Where the interpolation of the run in folder at this scale lies."""
+    return os.path.join(folder, "interpolated", f"scale-{scale:g}")
+
+
 def interpolate(folder, scale):
     """WiSE-FT's interpolation (arXiv 2109.01903) of the run in folder: its adapter with every B
     scaled, so that each layer's update and the update norm are scaled by `scale`, written in
     <folder>/interpolated/scale-<scale>, a finished run folder of its own that evaluate.py takes
     (its run.json the run's, with the scale). The folder."""
     from safetensors.torch import save_file
-    out = os.path.join(folder, "interpolated", f"scale-{scale:g}")
+    out = interpolated(folder, scale)
     cfg, state = lora.read_adapter(folder)
     scaled = {k: v * scale if k.endswith(".lora_B.weight") else v for k, v in state.items()}
     os.makedirs(out, exist_ok=True)
@@ -98,7 +103,7 @@ def interpolations(out, conditions, preset="toy"):
         parsed = parse_name(name)
         if parsed and parsed[1] == max(caps_of(parsed[0], preset)):
             for scale in SCALES:
-                there = os.path.join(out, name, "interpolated", f"scale-{scale:g}")
+                there = interpolated(os.path.join(out, name), scale)
                 done = os.path.isfile(os.path.join(there, "run.json"))  # written last
                 folders.append(there if done else interpolate(os.path.join(out, name), scale))
     return folders
@@ -207,12 +212,9 @@ def curve_rows(curves):
     rows = []
     for (arm, cap, scale), xs in sorted(groups.items(), key=lambda kv: (
             list(frontier.ARMS).index(kv[0][0]), kv[0][2])):
-        row = dict(arm=arm, cap=cap, scale=scale, seeds=len(xs))
-        for k in ("update_norm", "gain", "forgetting"):
-            values = [x[k] for x in xs]
-            row[k] = (statistics.mean(values),
-                      statistics.stdev(values) if len(values) > 1 else None)
-        rows.append(row)
+        rows.append(dict(arm=arm, cap=cap, scale=scale, seeds=len(xs),
+                         **{k: report.mean_sd([x[k] for x in xs])
+                            for k in ("update_norm", "gain", "forgetting")}))
     return rows
 
 
