@@ -114,7 +114,11 @@ def sequence_states(model, sequences, starts, pad_id=0):
                for b, ((r, columns), start) in enumerate(zip(placed, starts))
                for t in range(start, len(columns))]
     row, state, target, which = torch.tensor(trained, dtype=torch.long, device=device).view(-1, 4).T
-    return hidden[row, state], ids[row, target], which
+    # one state can serve several sequences (a prompt's last token, each of its samples'):
+    # index_select's backward adds their gradients in one order on any number of CPU threads,
+    # where hidden[row, state]'s adds them in whichever order its threads finish
+    states = hidden.flatten(0, 1).index_select(0, row * T + state)
+    return states, ids[row, target], which
 
 
 def sequence_logprobs(model, sequences, starts, pad_id=0):

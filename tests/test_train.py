@@ -46,6 +46,30 @@ def test_sequence_logprobs_give_each_sequence_what_it_has_alone(tiny_models, nam
         train.sequence_logprobs(ours, [a, [1, 2, 3]], [2, 0])
 
 
+def test_a_state_several_sequences_share_gets_the_same_gradient_on_every_pass(tiny_model):
+    """RL's samples of a prompt all train on its last token's state: on two CPU threads the
+    sum of their gradients there must come out the same every time (a run repeats itself)."""
+    import lora
+    ours, tok = M.load(tiny_model)
+    lora.add_lora(ours, rank=4, alpha=8)
+    randomize_adapter(ours)
+    a, _ = two_sequences(tok)
+    g = torch.Generator().manual_seed(0)
+    samples = [a + torch.randint(3, tok.tok.get_vocab_size(), (40,), generator=g).tolist()
+               for _ in range(48)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def gradient():
+            logp, _ = train.sequence_logprobs(ours, samples, [len(a)] * len(samples))
+            return torch.cat([x.flatten() for x in torch.autograd.grad(
+                logp.sum(), lora.lora_parameters(ours))])
+        first = gradient()
+        assert all(torch.equal(gradient(), first) for _ in range(10))
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_learner_nll_takes_the_samplers_log_probs_where_the_learner_drew_the_trajectory(tiny_model):
     """state_nll: an OPD step whose states are the student's own rollouts reads them from the
     sampler (no second forward); gold or teacher trajectories (None) are read by the learner."""
