@@ -266,7 +266,7 @@ def own_samples_nll(model, tok, rows, max_new_tokens, seed=0):
     """The base's mean per-token NLL of its own temperature-1 samples on rows' prompts (an
     on-policy method's first states): the reference a run's state_nll_base is read against."""
     with lora.use_adapter(model, None):
-        own = generate(model, tok, [data.gsm8k_gold_ids(tok, r)[0] for r in rows],
+        own = generate(model, tok, [data.gsm8k_prompt(r["question"]) for r in rows],
                        Sampling(max_new_tokens=max_new_tokens, temperature=1.0,
                                 stop=data.GSM8K_STOP, seed=seed))
     return continuation_nll(model, tok, [(r.prompt_ids, r.completion_ids) for r in own
